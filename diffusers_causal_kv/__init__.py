@@ -1,0 +1,17 @@
+"""Causal, chunk-by-chunk generation with a KV cache for the stock diffusers Wan transformers."""
+
+from .context import CausalContext, get_current_context
+from .kv_cache import BaseKVCacheEngine, KVCacheEngine, VanillaKVCacheEngine
+from .model import clear_caches, uninstall_causal_kv
+from .processors import CausalWanAttnProcessor
+
+__all__ = [
+    "BaseKVCacheEngine",
+    "CausalContext",
+    "CausalWanAttnProcessor",
+    "KVCacheEngine",
+    "VanillaKVCacheEngine",
+    "clear_caches",
+    "get_current_context",
+    "uninstall_causal_kv",
+]

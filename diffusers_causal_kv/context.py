@@ -1,0 +1,222 @@
+"""The context layer: one forward pass's rollout metadata, published through context variables.
+
+Two context variables carry it:
+
+* ``_OPEN_CONTEXTS`` maps each transformer (by ``id``) to its innermost open :class:`CausalContext`. Contexts for
+  different transformers nest freely (a causal generator and a critic in one training step); each thread and each
+  asyncio task sees its own.
+* ``_RUNNING_PASS`` holds the :class:`ForwardPass` of the transformer forward in flight. The model-layer hook sets
+  it (to ``None`` for a transformer without a context of its own, which then computes the stock attention), and a
+  gradient-checkpointing recomputation re-publishes the pass it belongs to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from .kv_cache.base import BaseKVCacheEngine, CrossEntry
+
+_OPEN_CONTEXTS: ContextVar[dict[int, CausalContext]] = ContextVar("causal_kv_open_contexts", default={})
+_RUNNING_PASS: ContextVar[ForwardPass | None] = ContextVar("causal_kv_running_pass", default=None)
+
+
+class CausalContext:
+    """Run forwards of ``transformer`` causally against its KV cache.
+
+    Fields:
+        transformer: the Wan transformer the context applies to; forwards of other transformers are unaffected.
+        start_frame (int): latent frame at which this forward's chunk starts. It gives the chunk's temporal RoPE
+            positions (``start_frame, start_frame + 1, ...``) and must continue the tag's cache: it equals the
+            engine's ``next_frame(cache_tag)`` (for append-only engines, the number of cached frames), on
+            denoising and commit passes alike.
+        cache_tag (str): namespace of the cache entries read and written, e.g. ``"pos"``/``"neg"`` for CFG.
+        store_kv (bool): when True, the forward's self K/V (and, the first time, the cross-attention K/V) are
+            committed to the cache once the forward returns. A forward that raises commits nothing.
+        cache_engines (dict[str, BaseKVCacheEngine]): the engines read and written, one per branch (``"main"``,
+            plus ``"vace"`` for VACE). Defaults to ``transformer.kv_cache_engines``; pass your own map to run one
+            rollout per user session over one set of weights. Resolved and registered when the context opens.
+
+    The context is a re-usable, non-reentrant context manager. Opening it completes installation (engine
+    creation, module registration, hooks) if ``transformer.set_attn_processor(CausalWanAttnProcessor())`` was
+    called but no context has been opened yet.
+    """
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        *,
+        start_frame: int = 0,
+        cache_tag: str = "pos",
+        store_kv: bool = False,
+        cache_engines: dict[str, BaseKVCacheEngine] | None = None,
+    ) -> None:
+        if isinstance(start_frame, bool) or not isinstance(start_frame, int):
+            raise TypeError(f"start_frame must be an int (a latent frame index), got {type(start_frame).__name__}.")
+        if start_frame < 0:
+            raise ValueError(f"start_frame must be >= 0, got {start_frame}; pass the latent frame the chunk starts at.")
+        if not isinstance(cache_tag, str):
+            raise TypeError(f"cache_tag must be a str such as 'pos' or 'neg', got {type(cache_tag).__name__}.")
+        self.transformer = transformer
+        self.start_frame = start_frame
+        self.cache_tag = cache_tag
+        self.store_kv = bool(store_kv)
+        self._requested_engines = cache_engines
+        self.cache_engines: dict[str, BaseKVCacheEngine] | None = None
+        self._token = None
+
+    def __enter__(self) -> CausalContext:
+        if self._token is not None:
+            raise RuntimeError("This CausalContext is already open; create a new CausalContext to nest one.")
+        from .model import prepare_transformer  # the model layer imports this module
+
+        self.cache_engines = prepare_transformer(self.transformer, self._requested_engines)
+        self._token = _OPEN_CONTEXTS.set({**_OPEN_CONTEXTS.get(), id(self.transformer): self})
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _OPEN_CONTEXTS.reset(self._token)
+        self._token = None
+
+    def resolve_registered_engine(self, attn: torch.nn.Module) -> BaseKVCacheEngine:
+        """The engine of this context that registered ``attn``; raises if none did."""
+        if self.cache_engines is None:
+            raise RuntimeError("resolve_registered_engine() needs an open context: use it inside `with CausalContext(...)`.")
+        for engine in self.cache_engines.values():
+            if engine.owns(attn):
+                return engine
+        raise RuntimeError(
+            f"No KV-cache engine of this CausalContext registered the attention module {type(attn).__name__} at "
+            f"{id(attn):#x}. Only transformer.blocks[*] (and transformer.vace_blocks[*]) are registered; if you "
+            "replaced a module after installation, call transformer.set_attn_processor(CausalWanAttnProcessor()) "
+            "again and open a new context."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CausalContext({type(self.transformer).__name__}, start_frame={self.start_frame}, "
+            f"cache_tag={self.cache_tag!r}, store_kv={self.store_kv})"
+        )
+
+
+def get_current_context(transformer: torch.nn.Module) -> CausalContext | None:
+    """The innermost open :class:`CausalContext` of ``transformer`` in this thread/task, or ``None``."""
+    return _OPEN_CONTEXTS.get().get(id(transformer))
+
+
+def running_pass() -> ForwardPass | None:
+    """The :class:`ForwardPass` the attention processors serve right now, or ``None`` (stock attention)."""
+    return _RUNNING_PASS.get()
+
+
+@dataclass
+class StagedKV:
+    """What one ``store_kv=True`` forward produced for one engine, written when the forward returns."""
+
+    self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cross_kv: dict[int, CrossEntry] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class ForwardPass:
+    """One transformer forward under a :class:`CausalContext`: its validated shapes and what it stages.
+
+    Built by the model-layer hook after validation. ``frame_tokens`` is the number of tokens per latent frame
+    (post-patch height x width); ``num_frames`` the post-patch latent frames of the chunk.
+    """
+
+    context: CausalContext
+    num_frames: int
+    frame_tokens: int
+    batch_size: int
+    dtype: torch.dtype
+    device: torch.device
+    conditioning: tuple[torch.Tensor | None, ...]
+    recomputing: bool = False
+    _staged: dict[int, tuple[BaseKVCacheEngine, StagedKV]] = field(default_factory=dict, repr=False)
+    _prefixes: dict[tuple[int, int], tuple | None] = field(default_factory=dict, repr=False)
+    _fingerprint: tuple | None = field(default=None, repr=False)
+
+    @property
+    def start_frame(self) -> int:
+        return self.context.start_frame
+
+    @property
+    def cache_tag(self) -> str:
+        return self.context.cache_tag
+
+    @property
+    def store_kv(self) -> bool:
+        return self.context.store_kv
+
+    @property
+    def engines(self) -> list[BaseKVCacheEngine]:
+        return list(self.context.cache_engines.values())
+
+    def staged_for(self, engine: BaseKVCacheEngine) -> StagedKV:
+        return self._staged.setdefault(id(engine), (engine, StagedKV()))[1]
+
+    def remembered_prefix(self, engine: BaseKVCacheEngine, block_idx: int, read: Callable[[], tuple | None]):
+        """``read()`` the first time, the same tensors on every later call (a checkpoint recomputation)."""
+        key = (id(engine), block_idx)
+        if key not in self._prefixes:
+            self._prefixes[key] = read()
+        return self._prefixes[key]
+
+    def conditioning_fingerprint(self) -> tuple:
+        """A value fingerprint of the conditioning inputs (shape, dtype and three float64 reductions each)."""
+        if self._fingerprint is None:
+            self._fingerprint = tuple(_fingerprint(t) for t in self.conditioning)
+        return self._fingerprint
+
+    def commit(self) -> None:
+        """Write what this ``store_kv=True`` forward staged into every engine."""
+        if not self.store_kv:
+            return
+        for engine in self.engines:
+            staged = self._staged.get(id(engine), (engine, None))[1]
+            blocks = engine.num_blocks
+            if staged is None or len(staged.self_kv) != blocks:
+                got = 0 if staged is None else len(staged.self_kv)
+                raise RuntimeError(
+                    f"store_kv forward ran self-attention in {got} of {blocks} blocks of a {type(engine).__name__}, "
+                    "so nothing was committed. A hook that skips blocks (e.g. diffusers' enable_cache) cannot be "
+                    "combined with store_kv=True; disable it for commit passes."
+                )
+        for engine, staged in self._staged.values():
+            engine.commit(self, staged)
+
+    @contextlib.contextmanager
+    def running(self, recomputing: bool = False):
+        """Publish this pass to the processors (and flag a checkpoint recomputation) for the enclosed code."""
+        token = _RUNNING_PASS.set(self)
+        previous, self.recomputing = self.recomputing, recomputing
+        try:
+            yield self
+        finally:
+            self.recomputing = previous
+            _RUNNING_PASS.reset(token)
+
+
+@contextlib.contextmanager
+def no_running_pass():
+    """Run the enclosed transformer forward with stock attention (it has no context of its own)."""
+    token = _RUNNING_PASS.set(None)
+    try:
+        yield
+    finally:
+        _RUNNING_PASS.reset(token)
+
+
+def _fingerprint(tensor: torch.Tensor | None):
+    if tensor is None:
+        return None
+    flat = tensor.detach().flatten().to(torch.float64)
+    ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(7919)
+    sums = torch.stack([flat.sum(), flat.square().sum(), (flat * ramp).sum()])
+    return tuple(tensor.shape), tensor.dtype, tuple(sums.tolist())

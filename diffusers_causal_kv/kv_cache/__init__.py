@@ -1,0 +1,8 @@
+"""KV-cache engines. ``KVCacheEngine`` is the default engine, the vanilla reference."""
+
+from .base import BaseKVCacheEngine, CrossEntry, TagInfo
+from .vanilla_engine import VanillaKVCacheEngine
+
+KVCacheEngine = VanillaKVCacheEngine
+
+__all__ = ["BaseKVCacheEngine", "CrossEntry", "KVCacheEngine", "TagInfo", "VanillaKVCacheEngine"]

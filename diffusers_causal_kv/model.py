@@ -1,0 +1,289 @@
+"""The model layer: engine branches on the transformer, installation, and the transformer-level hook.
+
+``transformer.kv_cache_engines`` maps branch names to engines: ``"main"`` owns ``transformer.blocks[*]`` and
+``"vace"`` (VACE only) owns ``transformer.vace_blocks[*]``, with block indices local to the branch. Installation
+(done when the first :class:`~diffusers_causal_kv.CausalContext` opens, after
+``transformer.set_attn_processor(CausalWanAttnProcessor())``) creates the missing engines, registers each
+attention module with the engine of its branch and adds two named diffusers hooks:
+
+* ``causal_kv`` on the transformer (:class:`CausalForwardHook`): under a context it validates the forward's inputs
+  before any work, builds the :class:`~diffusers_causal_kv.context.ForwardPass`, publishes it to the processors,
+  and commits what a ``store_kv=True`` forward staged once the forward returns;
+* ``causal_kv_rope_positions`` on ``transformer.rope`` (:mod:`diffusers_causal_kv.positions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+import torch.utils.checkpoint
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from .context import ForwardPass, get_current_context, no_running_pass
+from .kv_cache import BaseKVCacheEngine, KVCacheEngine
+from .positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
+from .processors import WAN_TEXT_CONTEXT_LENGTH, CausalWanAttnProcessor
+
+HOOK_NAME = "causal_kv"
+
+
+def branch_blocks(transformer: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
+    """The block lists each engine branch owns."""
+    branches = {"main": transformer.blocks}
+    if getattr(transformer, "vace_blocks", None) is not None:
+        branches["vace"] = transformer.vace_blocks
+    return branches
+
+
+def _attention_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.attn1, block.attn2]
+
+
+def _causal_processors_installed(transformer: torch.nn.Module) -> list[bool]:
+    return [
+        isinstance(attn.processor, CausalWanAttnProcessor)
+        for blocks in branch_blocks(transformer).values()
+        for block in blocks
+        for attn in _attention_modules(block)
+    ]
+
+
+def prepare_transformer(
+    transformer: torch.nn.Module, cache_engines: dict[str, BaseKVCacheEngine] | None = None
+) -> dict[str, BaseKVCacheEngine]:
+    """Complete installation and return the engine map a context uses (validated and registered)."""
+    installed = _causal_processors_installed(transformer)
+    if not any(installed):
+        raise RuntimeError(
+            f"{type(transformer).__name__} has no CausalWanAttnProcessor installed; call "
+            "transformer.set_attn_processor(CausalWanAttnProcessor()) before opening a CausalContext."
+        )
+    if not all(installed):
+        raise RuntimeError(
+            f"{installed.count(False)} of {len(installed)} attention modules of {type(transformer).__name__} do not "
+            "use CausalWanAttnProcessor, so their blocks would ignore the cache; install it on all of them with "
+            "transformer.set_attn_processor(CausalWanAttnProcessor())."
+        )
+    branches = branch_blocks(transformer)
+    if cache_engines is None:
+        engines = getattr(transformer, "kv_cache_engines", None)
+        if engines is None:
+            engines = {}
+            transformer.kv_cache_engines = engines
+        for branch in branches:
+            engines.setdefault(branch, KVCacheEngine())
+        cache_engines = engines
+    _check_engine_map(cache_engines, branches)
+    for branch, blocks in branches.items():
+        for block_idx, block in enumerate(blocks):
+            for attn in _attention_modules(block):
+                cache_engines[branch].register_module(attn, block_idx)
+    _install_hooks(transformer)
+    return cache_engines
+
+
+def _check_engine_map(cache_engines: dict, branches: dict) -> None:
+    if not isinstance(cache_engines, dict) or set(cache_engines) != set(branches):
+        got = sorted(cache_engines) if isinstance(cache_engines, dict) else type(cache_engines).__name__
+        raise ValueError(
+            f"cache_engines must map exactly the branches {sorted(branches)} to engines, got {got}; e.g. "
+            + "{" + ", ".join(f"{b!r}: KVCacheEngine()" for b in branches) + "}."
+        )
+    for branch, engine in cache_engines.items():
+        if not isinstance(engine, BaseKVCacheEngine):
+            raise TypeError(
+                f"cache_engines[{branch!r}] is a {type(engine).__name__}, not a KV-cache engine; use "
+                "KVCacheEngine() or another BaseKVCacheEngine subclass."
+            )
+    if len({id(e) for e in cache_engines.values()}) != len(cache_engines):
+        raise ValueError(
+            "One engine object serves several branches of cache_engines; block indices are local to a branch, "
+            "so each branch needs its own engine instance."
+        )
+    for branch, engine in cache_engines.items():
+        foreign = [
+            other for other, blocks in branches.items() if other != branch
+            for block in blocks for attn in _attention_modules(block) if engine.owns(attn)
+        ]
+        if foreign:
+            raise ValueError(
+                f"The engine of branch {branch!r} already registered modules of branch {foreign[0]!r}; give each "
+                "branch its own engine."
+            )
+
+
+def _install_hooks(transformer: torch.nn.Module) -> None:
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    if registry.get_hook(HOOK_NAME) is None:
+        registry.register_hook(CausalForwardHook(), HOOK_NAME)
+    rope_registry = HookRegistry.check_if_exists_or_initialize(transformer.rope)
+    if rope_registry.get_hook(ROPE_HOOK_NAME) is None:
+        rope_registry.register_hook(TemporalRoPEOffsetHook(), ROPE_HOOK_NAME)
+
+
+def clear_caches(transformer: torch.nn.Module) -> None:
+    """Clear every engine on ``transformer.kv_cache_engines`` (call at the start of each rollout)."""
+    if not any(_causal_processors_installed(transformer)):
+        raise RuntimeError(
+            f"{type(transformer).__name__} has no CausalWanAttnProcessor installed, so it has no KV cache to clear; "
+            "call transformer.set_attn_processor(CausalWanAttnProcessor()) first."
+        )
+    for engine in getattr(transformer, "kv_cache_engines", {}).values():
+        engine.clear()
+
+
+def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
+    """Restore the stock ``WanAttnProcessor`` everywhere, remove the hooks and drop ``kv_cache_engines``."""
+    if get_current_context(transformer) is not None:
+        raise RuntimeError("uninstall_causal_kv() called inside a CausalContext of this transformer; close it first.")
+    for blocks in branch_blocks(transformer).values():
+        for block in blocks:
+            for attn in _attention_modules(block):
+                if isinstance(attn.processor, CausalWanAttnProcessor):
+                    stock = WanAttnProcessor()
+                    stock._attention_backend = attn.processor._attention_backend
+                    attn.set_processor(stock)
+    for module, name in ((transformer, HOOK_NAME), (transformer.rope, ROPE_HOOK_NAME)):
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.get_hook(name) is not None:
+            registry.remove_hook(name, recurse=False)
+    if hasattr(transformer, "kv_cache_engines"):
+        del transformer.kv_cache_engines
+
+
+class CausalForwardHook(ModelHook):
+    """Validates, runs and commits each forward of the transformer under its :class:`CausalContext`."""
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self._signature = inspect.signature(module.forward)
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        ctx = get_current_context(module)
+        if ctx is None:
+            with no_running_pass():
+                return self.fn_ref.original_forward(*args, **kwargs)
+        inputs = self._signature.bind(*args, **kwargs).arguments
+        p = build_forward_pass(module, ctx, inputs)
+        for engine in p.engines:
+            engine.check_pass(p)
+        with p.running(), _checkpointing_under(module, p):
+            output = self.fn_ref.original_forward(*args, **kwargs)
+        p.commit()
+        return output
+
+
+@contextlib.contextmanager
+def _checkpointing_under(module: torch.nn.Module, p: ForwardPass):
+    """Route gradient checkpointing through a recomputation that re-publishes ``p``.
+
+    Checkpointed blocks are recomputed during ``backward()``, after the context has exited and maybe after more
+    chunks were committed; ``context_fn`` re-enters the same pass, whose remembered prefixes give the recomputation
+    exactly the K/V the forward saw. diffusers rebuilds ``_gradient_checkpointing_func`` on every
+    ``enable_gradient_checkpointing()``, so it is swapped per forward and restored afterwards.
+    """
+    if not (torch.is_grad_enabled() and getattr(module, "gradient_checkpointing", False)):
+        yield
+        return
+    saved = module._gradient_checkpointing_func
+    module._gradient_checkpointing_func = functools.partial(_checkpoint_block, p)
+    try:
+        yield
+    finally:
+        module._gradient_checkpointing_func = saved
+
+
+def _checkpoint_block(p: ForwardPass, block: torch.nn.Module, *args):
+    return torch.utils.checkpoint.checkpoint(
+        block.__call__, *args, use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), p.running(recomputing=True)),
+    )
+
+
+def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> ForwardPass:
+    """Validate a forward's inputs against the model (before any work) and describe it as a ForwardPass."""
+    hidden_states = inputs.get("hidden_states")
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 5:
+        raise ValueError(
+            "hidden_states must be a [batch, channels, frames, height, width] latent tensor under a CausalContext, "
+            f"got {getattr(hidden_states, 'shape', type(hidden_states).__name__)}."
+        )
+    batch, _, frames, height, width = hidden_states.shape
+    patch = tuple(transformer.config.patch_size)
+    for name, size, step in zip(("frames", "height", "width"), (frames, height, width), patch):
+        if size % step:
+            raise ValueError(
+                f"latent {name} {size} is not divisible by the patch size {step} (patch_size={patch}); "
+                f"pad or crop the latents to a multiple of {step}."
+            )
+    num_frames, grid_h, grid_w = frames // patch[0], height // patch[1], width // patch[2]
+    frame_tokens = grid_h * grid_w
+    _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens)
+    _check_rope_range(transformer, ctx.start_frame, num_frames, grid_h, grid_w)
+    text = inputs.get("encoder_hidden_states")
+    image = inputs.get("encoder_hidden_states_image")
+    _check_conditioning(transformer, text, image, batch)
+    return ForwardPass(
+        context=ctx,
+        num_frames=num_frames,
+        frame_tokens=frame_tokens,
+        batch_size=batch,
+        dtype=hidden_states.dtype,
+        device=hidden_states.device,
+        conditioning=(text, image),
+    )
+
+
+def _check_timestep(timestep, batch: int, tokens: int) -> None:
+    if not isinstance(timestep, torch.Tensor):
+        raise TypeError(f"timestep must be a tensor of shape [batch] or [batch, tokens], got {type(timestep).__name__}.")
+    if timestep.ndim == 1 and timestep.shape[0] in (1, batch):
+        return
+    if timestep.ndim == 2 and timestep.shape[0] in (1, batch) and timestep.shape[1] == tokens:
+        return
+    raise ValueError(
+        f"timestep has shape {tuple(timestep.shape)}; a chunk of {tokens} tokens with batch {batch} takes shape "
+        f"[{batch}] (one timestep per sample) or [{batch}, {tokens}] (per-token timesteps for this chunk only)."
+    )
+
+
+def _check_rope_range(transformer, start_frame: int, num_frames: int, grid_h: int, grid_w: int) -> None:
+    max_len = transformer.rope.max_seq_len
+    if start_frame + num_frames > max_len:
+        raise ValueError(
+            f"chunk covers latent frames {start_frame}..{start_frame + num_frames - 1} but the RoPE table has "
+            f"{max_len} positions (rope_max_seq_len); shorten the rollout, build the model with a larger "
+            "rope_max_seq_len, or use an engine that re-indexes positions."
+        )
+    if max(grid_h, grid_w) > max_len:
+        raise ValueError(
+            f"post-patch grid {grid_h}x{grid_w} exceeds rope_max_seq_len={max_len}; use smaller latents or a model "
+            "with a larger rope_max_seq_len."
+        )
+
+
+def _check_conditioning(transformer, text, image, batch: int) -> None:
+    if not isinstance(text, torch.Tensor) or text.ndim != 3:
+        raise ValueError("encoder_hidden_states must be a [batch, tokens, text_dim] tensor under a CausalContext.")
+    if text.shape[0] not in (1, batch):
+        raise ValueError(f"encoder_hidden_states has batch {text.shape[0]} but the latents have batch {batch}.")
+    is_i2v = transformer.blocks[0].attn2.add_k_proj is not None
+    if is_i2v and image is None:
+        raise ValueError(
+            "this is an image-to-video Wan transformer (added K/V projections): pass encoder_hidden_states_image "
+            "(the image encoder's embeddings) to every forward."
+        )
+    if is_i2v and text.shape[1] != WAN_TEXT_CONTEXT_LENGTH:
+        raise ValueError(
+            f"Wan I2V splits image tokens off assuming {WAN_TEXT_CONTEXT_LENGTH} text tokens, but "
+            f"encoder_hidden_states has {text.shape[1]}; pad the prompt embeddings to {WAN_TEXT_CONTEXT_LENGTH}."
+        )
+    if not is_i2v and image is not None:
+        raise ValueError(
+            "encoder_hidden_states_image was given but this transformer has no image projections (not an I2V "
+            "model); drop the image embeddings."
+        )

@@ -1,0 +1,107 @@
+"""``CausalWanAttnProcessor``: the attention processor that makes a stock Wan transformer causal.
+
+Install it with ``transformer.set_attn_processor(CausalWanAttnProcessor())`` (one instance may serve every module,
+or pass the dict form). Outside a :class:`~diffusers_causal_kv.CausalContext` it runs the stock
+``WanAttnProcessor`` code, so outputs are bitwise identical. Inside one, it asks the context which engine registered
+the module (never a hardcoded branch) and then:
+
+* self-attention (``attn1``): hands the chunk's query/key/value and RoPE to the engine
+  (:meth:`~diffusers_causal_kv.kv_cache.BaseKVCacheEngine.self_attention_qkv`) and attends over what it returns,
+  the cached prefix followed by the chunk;
+* cross-attention (``attn2``): in no-grad forwards reads the tag's cross entry when it is filled and skips the K/V
+  projections; otherwise projects the conditioning (text, plus Wan2.1 I2V image tokens) and, in a
+  ``store_kv=True`` forward, stages it for the cache.
+
+Attention itself goes through ``dispatch_attention_fn`` with this processor's ``_attention_backend``, so
+``transformer.set_attention_backend(...)`` applies.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import (
+    WanAttnProcessor,
+    _get_added_kv_projections,
+    _get_qkv_projections,
+)
+
+from .context import running_pass
+from .kv_cache.base import CrossEntry
+
+# The stock Wan processor hardcodes the text encoder's context length when splitting I2V image tokens off.
+WAN_TEXT_CONTEXT_LENGTH = 512
+
+
+class CausalWanAttnProcessor:
+    """Causal, KV-cached attention for ``WanAttention`` (self and cross; Wan T2V, Wan2.1 I2V, Wan2.2, VACE)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        p = running_pass()
+        if p is None:
+            # Run the stock processor's code with this processor's backend settings: bitwise stock outputs.
+            return WanAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        engine = p.context.resolve_registered_engine(attn)
+        block_idx = engine.block_index(attn)
+        if encoder_hidden_states is None:
+            query, key, value = _get_qkv_projections(attn, hidden_states, None)
+            query, key, value = _heads(attn, attn.norm_q(query), attn.norm_k(key), value)
+            query, key, value = engine.self_attention_qkv(block_idx, p, query, key, value, rotary_emb)
+            out = self._attend(query, key, value)
+        else:
+            out = self._cross_attention(attn, engine, block_idx, p, hidden_states, encoder_hidden_states)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def _cross_attention(self, attn, engine, block_idx, p, hidden_states, encoder_hidden_states):
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))[0]
+        entry = None if torch.is_grad_enabled() else engine.read_cross(block_idx, p.cache_tag)
+        if entry is None:
+            entry = _project_context(attn, encoder_hidden_states)
+            if p.store_kv and not p.recomputing and not engine.is_cross_init(p.cache_tag):
+                p.staged_for(engine).cross_kv[block_idx] = CrossEntry(*(
+                    None if t is None else t.detach() for t in (entry.key, entry.value, entry.key_img, entry.value_img)
+                ))
+        out = self._attend(query, entry.key, entry.value)
+        if entry.key_img is not None:
+            out = out + self._attend(query, entry.key_img, entry.value_img)
+        return out
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
+        return out.flatten(2, 3).type_as(query)
+
+
+def _heads(attn: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.unflatten(2, (attn.heads, -1)) for t in tensors)
+
+
+def _project_context(attn: torch.nn.Module, encoder_hidden_states: torch.Tensor) -> CrossEntry:
+    """Cross-attention K/V of the conditioning, split into text and (Wan2.1 I2V) image tokens as stock does."""
+    image_states = None
+    if attn.add_k_proj is not None:
+        image_length = encoder_hidden_states.shape[1] - WAN_TEXT_CONTEXT_LENGTH
+        image_states = encoder_hidden_states[:, :image_length]
+        encoder_hidden_states = encoder_hidden_states[:, image_length:]
+    if attn.fused_projections:
+        key, value = attn.to_kv(encoder_hidden_states).chunk(2, dim=-1)
+    else:
+        key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
+    key, value = _heads(attn, attn.norm_k(key), value)
+    if image_states is None:
+        return CrossEntry(key, value)
+    key_img, value_img = _get_added_kv_projections(attn, image_states)
+    key_img, value_img = _heads(attn, attn.norm_added_k(key_img), value_img)
+    return CrossEntry(key, value, key_img, value_img)

@@ -1,0 +1,70 @@
+"""Tiny random Wan models and the references the tests compare against (computed without the plugin)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+TEXT_DIM = 32
+I2V_TEXT_LEN = 512  # stock I2V splits the image tokens off assuming 512 text tokens
+
+
+def tiny_wan(head_dim: int = 12, heads: int = 2, layers: int = 2, i2v: bool = False, seed: int = 0,
+             rope_max_seq_len: int = 32, in_channels: int = 16, **config) -> WanTransformer3DModel:
+    torch.manual_seed(seed)
+    kwargs = dict(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=in_channels,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=rope_max_seq_len,
+    )
+    if i2v:
+        kwargs.update(image_dim=8, added_kv_proj_dim=heads * head_dim, in_channels=in_channels + 20)
+    kwargs.update(config)
+    model = WanTransformer3DModel(**kwargs).eval()
+    # Random weights everywhere, including the zero-initialised ones, so every path matters numerically.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def conditioning(model, batch: int = 2, text_len: int = 12, image_tokens: int = 4, seed: int = 1):
+    """(encoder_hidden_states, encoder_hidden_states_image or None) for ``model``."""
+    g = torch.Generator().manual_seed(seed)
+    is_i2v = model.config.image_dim is not None
+    text = torch.randn(batch, I2V_TEXT_LEN if is_i2v else text_len, TEXT_DIM, generator=g)
+    image = torch.randn(batch, image_tokens, model.config.image_dim, generator=g) if is_i2v else None
+    return text, image
+
+
+class MaskedStockProcessor:
+    """The stock processor with a fixed self-attention mask: the reference full-sequence forward."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self.stock = WanAttnProcessor()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        mask = self.mask if encoder_hidden_states is None else None
+        return self.stock(attn, hidden_states, encoder_hidden_states, mask, rotary_emb)
+
+
+def block_causal_mask(chunk_frames: list[int], frame_tokens: int) -> torch.Tensor:
+    """Hand-written dense mask: token i attends to token j iff j's chunk is not after i's chunk."""
+    chunk_of_token = []
+    for idx, size in enumerate(chunk_frames):
+        chunk_of_token += [idx] * (size * frame_tokens)
+    c = torch.tensor(chunk_of_token)
+    return c[None, :] <= c[:, None]
+
+
+def masked_full_forward(model, hidden_states, timestep, text, image, mask):
+    """One stock forward over the whole sequence with ``mask`` on every self-attention (no plugin involved)."""
+    saved = model.attn_processors
+    model.set_attn_processor(MaskedStockProcessor(mask))
+    try:
+        return model(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=text,
+                     encoder_hidden_states_image=image, return_dict=False)[0]
+    finally:
+        model.set_attn_processor(saved)
