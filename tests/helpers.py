@@ -1,10 +1,15 @@
-"""Tiny random Wan models and the references the tests compare against (computed without the plugin)."""
+"""Tiny random Wan models, forward shortcuts, cache snapshots, and the references the tests compare against
+(the references run stock diffusers code only)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from diffusers_causal_kv import CausalContext
 
 TEXT_DIM = 32
 I2V_TEXT_LEN = 512  # stock I2V splits the image tokens off assuming 512 text tokens
@@ -68,3 +73,38 @@ def masked_full_forward(model, hidden_states, timestep, text, image, mask):
                      encoder_hidden_states_image=image, return_dict=False)[0]
     finally:
         model.set_attn_processor(saved)
+
+
+def forward(model, x, t, text, image=None, **ctx):
+    """One no-grad forward of ``model``, under a ``CausalContext(model, **ctx)`` when ``ctx`` is given."""
+    with torch.no_grad(), (CausalContext(model, **ctx) if ctx else contextlib.nullcontext()):
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=text, encoder_hidden_states_image=image,
+                     return_dict=False)[0]
+
+
+def cache_snapshot(model) -> dict:
+    """Everything observable about the engines of ``model``: frames, cross flags, bytes and tensor values."""
+    snap = {}
+    for branch, engine in model.kv_cache_engines.items():
+        tensors = []
+        for block in sorted(engine._self_kv):
+            for tag in sorted(engine._self_kv[block]):
+                prefix = engine.get_self_prefix(block, tag)
+                tensors += [] if prefix is None else [t.clone() for t in prefix]
+        for block in sorted(engine._cross_kv):
+            for tag in sorted(engine._cross_kv[block]):
+                tensors += [t.clone() for t in engine._cross_kv[block][tag].tensors()]
+        snap[branch] = (
+            {tag: (engine.num_frames(tag), engine.is_cross_init(tag)) for tag in engine.tags()},
+            engine.memory_bytes(),
+            tensors,
+        )
+    return snap
+
+
+def assert_same_snapshot(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for branch in before:
+        (meta_a, bytes_a, tensors_a), (meta_b, bytes_b, tensors_b) = before[branch], after[branch]
+        assert meta_a == meta_b and bytes_a == bytes_b and len(tensors_a) == len(tensors_b)
+        assert all(torch.equal(a, b) for a, b in zip(tensors_a, tensors_b))
