@@ -13,16 +13,21 @@ Two context variables carry it:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from .kv_cache.base import BaseKVCacheEngine, CrossEntry
 
-_OPEN_CONTEXTS: ContextVar[dict[int, CausalContext]] = ContextVar("causal_kv_open_contexts", default={})
+# Read-only mappings: opening a context publishes a new one, so an outer context's view never changes.
+_OPEN_CONTEXTS: ContextVar[Mapping[int, CausalContext]] = ContextVar(
+    "causal_kv_open_contexts", default=MappingProxyType({})
+)
 _RUNNING_PASS: ContextVar[ForwardPass | None] = ContextVar("causal_kv_running_pass", default=None)
 
 
@@ -76,7 +81,7 @@ class CausalContext:
         from .model import prepare_transformer  # the model layer imports this module
 
         self.cache_engines = prepare_transformer(self.transformer, self._requested_engines)
-        self._token = _OPEN_CONTEXTS.set({**_OPEN_CONTEXTS.get(), id(self.transformer): self})
+        self._token = _OPEN_CONTEXTS.set(MappingProxyType({**_OPEN_CONTEXTS.get(), id(self.transformer): self}))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -86,7 +91,9 @@ class CausalContext:
     def resolve_registered_engine(self, attn: torch.nn.Module) -> BaseKVCacheEngine:
         """The engine of this context that registered ``attn``; raises if none did."""
         if self.cache_engines is None:
-            raise RuntimeError("resolve_registered_engine() needs an open context: use it inside `with CausalContext(...)`.")
+            raise RuntimeError(
+                "resolve_registered_engine() needs an open context: use it inside `with CausalContext(...)`."
+            )
         for engine in self.cache_engines.values():
             if engine.owns(attn):
                 return engine

@@ -69,21 +69,22 @@ def prepare_transformer(
             "transformer.set_attn_processor(CausalWanAttnProcessor())."
         )
     branches = branch_blocks(transformer)
-    if cache_engines is None:
-        engines = getattr(transformer, "kv_cache_engines", None)
-        if engines is None:
-            engines = {}
-            transformer.kv_cache_engines = engines
-        for branch in branches:
-            engines.setdefault(branch, KVCacheEngine())
-        cache_engines = engines
-    _check_engine_map(cache_engines, branches)
-    for branch, blocks in branches.items():
-        for block_idx, block in enumerate(blocks):
-            for attn in _attention_modules(block):
-                cache_engines[branch].register_module(attn, block_idx)
+    defaults = getattr(transformer, "kv_cache_engines", None)
+    if defaults is None:
+        defaults = transformer.kv_cache_engines = {}
+    for branch in branches:
+        defaults.setdefault(branch, KVCacheEngine())
+    # The transformer's own map is always complete and registered; a per-session map is validated in full first.
+    maps = [defaults] if cache_engines is None else [defaults, cache_engines]
+    for engines in maps:
+        _check_engine_map(engines, branches)
+    for engines in maps:
+        for branch, blocks in branches.items():
+            for block_idx, block in enumerate(blocks):
+                for attn in _attention_modules(block):
+                    engines[branch].register_module(attn, block_idx)
     _install_hooks(transformer)
-    return cache_engines
+    return maps[-1]
 
 
 def _check_engine_map(cache_engines: dict, branches: dict) -> None:
@@ -240,7 +241,9 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
 
 def _check_timestep(timestep, batch: int, tokens: int) -> None:
     if not isinstance(timestep, torch.Tensor):
-        raise TypeError(f"timestep must be a tensor of shape [batch] or [batch, tokens], got {type(timestep).__name__}.")
+        raise TypeError(
+            f"timestep must be a tensor of shape [batch] or [batch, tokens], got {type(timestep).__name__}."
+        )
     if timestep.ndim == 1 and timestep.shape[0] in (1, batch):
         return
     if timestep.ndim == 2 and timestep.shape[0] in (1, batch) and timestep.shape[1] == tokens:

@@ -50,7 +50,9 @@ class CausalWanAttnProcessor:
         p = running_pass()
         if p is None:
             # Run the stock processor's code with this processor's backend settings: bitwise stock outputs.
-            return WanAttnProcessor.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            return WanAttnProcessor.__call__(
+                self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            )
         engine = p.context.resolve_registered_engine(attn)
         block_idx = engine.block_index(attn)
         if encoder_hidden_states is None:

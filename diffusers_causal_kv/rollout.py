@@ -8,8 +8,8 @@ any diffusers flow-matching scheduler, reset for every chunk), then run one comm
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -34,7 +34,7 @@ def _expect_error(setup, match, x, t=T, text=None, image=None, error=ValueError,
 @pytest.mark.parametrize("store_kv", [False, True], ids=["denoise", "commit"])
 @pytest.mark.parametrize("start", [1, 3, 0], ids=["overlap", "gap", "restart"])
 def test_start_frame_must_continue_the_cache(setup, start, store_kv):
-    _expect_error(setup, r"holds 2 frames but start_frame=%d.*pass start_frame=2" % start,
+    _expect_error(setup, rf"holds 2 frames but start_frame={start}.*pass start_frame=2",
                   torch.randn(2, 16, 1, 4, 4), start_frame=start, store_kv=store_kv)
 
 
@@ -108,18 +108,16 @@ def test_chunk_beyond_rope_table():
 
 def test_context_without_processors():
     model = tiny_wan()
-    with pytest.raises(RuntimeError, match=r"set_attn_processor\(CausalWanAttnProcessor\(\)\)"):
-        with CausalContext(model):
-            pass
+    with pytest.raises(RuntimeError, match=r"set_attn_processor\(CausalWanAttnProcessor\(\)\)"), CausalContext(model):
+        pass
     assert not hasattr(model, "kv_cache_engines")
 
 
 def test_partially_installed_processors():
     model = tiny_wan()
     model.blocks[1].attn1.set_processor(CausalWanAttnProcessor())
-    with pytest.raises(RuntimeError, match=r"3 of 4 attention modules"):
-        with CausalContext(model):
-            pass
+    with pytest.raises(RuntimeError, match=r"3 of 4 attention modules"), CausalContext(model):
+        pass
 
 
 @pytest.mark.parametrize("bad, match", [
