@@ -223,11 +223,15 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
             )
     num_frames, grid_h, grid_w = frames // patch[0], height // patch[1], width // patch[2]
     frame_tokens = grid_h * grid_w
-    _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens)
+    is_vace = "vace" in branch_blocks(transformer)
+    _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens, per_token=not is_vace)
     _check_rope_range(transformer, ctx.start_frame, num_frames, grid_h, grid_w)
     text = inputs.get("encoder_hidden_states")
     image = inputs.get("encoder_hidden_states_image")
     _check_conditioning(transformer, text, image, batch)
+    if is_vace:
+        _check_control(transformer, hidden_states, inputs.get("control_hidden_states"),
+                       inputs.get("control_hidden_states_scale"))
     return ForwardPass(
         context=ctx,
         num_frames=num_frames,
@@ -239,15 +243,20 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
     )
 
 
-def _check_timestep(timestep, batch: int, tokens: int) -> None:
+def _check_timestep(timestep, batch: int, tokens: int, per_token: bool = True) -> None:
     if not isinstance(timestep, torch.Tensor):
         raise TypeError(
             f"timestep must be a tensor of shape [batch] or [batch, tokens], got {type(timestep).__name__}."
         )
     if timestep.ndim == 1 and timestep.shape[0] in (1, batch):
         return
-    if timestep.ndim == 2 and timestep.shape[0] in (1, batch) and timestep.shape[1] == tokens:
+    if per_token and timestep.ndim == 2 and timestep.shape[0] in (1, batch) and timestep.shape[1] == tokens:
         return
+    if not per_token:
+        raise ValueError(
+            f"timestep has shape {tuple(timestep.shape)}; the VACE transformer takes one timestep per sample, "
+            f"shape [{batch}]: denoise each chunk at a uniform timestep."
+        )
     raise ValueError(
         f"timestep has shape {tuple(timestep.shape)}; a chunk of {tokens} tokens with batch {batch} takes shape "
         f"[{batch}] (one timestep per sample) or [{batch}, {tokens}] (per-token timesteps for this chunk only)."
@@ -289,4 +298,29 @@ def _check_conditioning(transformer, text, image, batch: int) -> None:
         raise ValueError(
             "encoder_hidden_states_image was given but this transformer has no image projections (not an I2V "
             "model); drop the image embeddings."
+        )
+
+
+def _check_control(transformer, hidden_states: torch.Tensor, control, scale) -> None:
+    """VACE control latents must cover exactly this chunk (stock code zero-pads short ones silently)."""
+    batch, _, frames, height, width = hidden_states.shape
+    channels = transformer.config.vace_in_channels
+    if control is None:
+        raise ValueError(
+            "this is a VACE transformer: pass control_hidden_states, the chunk's slice of the control latents "
+            f"([batch, {channels}, frames, height, width], the same frames as hidden_states)."
+        )
+    expected = (batch, channels, frames, height, width)
+    if not isinstance(control, torch.Tensor) or tuple(control.shape) != expected:
+        raise ValueError(
+            f"control_hidden_states has shape {tuple(getattr(control, 'shape', ()))} but this chunk needs "
+            f"{expected}: slice the control latents to the chunk's frames, "
+            f"control[:, :, start_frame:start_frame + {frames}]."
+        )
+    layers = len(transformer.config.vace_layers)
+    if scale is not None and (not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (layers,)):
+        raise ValueError(
+            f"control_hidden_states_scale has shape {tuple(getattr(scale, 'shape', ()))} but the model has "
+            f"{layers} VACE layers {list(transformer.config.vace_layers)}: pass a tensor of shape [{layers}], "
+            "one scale per VACE layer, or None for all ones."
         )

@@ -82,6 +82,8 @@ def causal_rollout(
     context_noise: float = 0.0,
     condition_latents: torch.Tensor | None = None,
     image_embeds: torch.Tensor | None = None,
+    control_latents: torch.Tensor | None = None,
+    control_scale: torch.Tensor | None = None,
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     progress: bool = True,
@@ -89,7 +91,7 @@ def causal_rollout(
     """Generate ``noise.shape[2]`` latent frames chunk by chunk with the KV cache.
 
     Args:
-        model: a Wan transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
+        model: a Wan (or Wan VACE) transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
         noise: initial noise ``[batch, channels, frames, height, width]`` for every frame.
         prompt_embeds / negative_prompt_embeds: text embeddings; with ``guidance_scale > 1`` and a negative prompt,
             classifier-free guidance runs the two through cache tags ``"pos"`` and ``"neg"``.
@@ -102,6 +104,8 @@ def causal_rollout(
         condition_latents: Wan2.1 I2V condition (mask and image latents), ``[batch, 20, frames, height, width]``,
             concatenated to each chunk's latents along channels.
         image_embeds: Wan2.1 I2V image-encoder embeddings, passed to every forward.
+        control_latents / control_scale: VACE control latents ``[batch, vace_in_channels, frames, height, width]``,
+            sliced per chunk like the noise, and the per-VACE-layer scale (``[len(vace_layers)]``, default ones).
         cache_engines: engine map for this rollout (one per user session); default ``transformer.kv_cache_engines``.
         generator: random generator for re-noising.
         progress: show a tqdm progress bar over chunks.
@@ -111,9 +115,14 @@ def causal_rollout(
     sizes = chunk_schedule(num_frames, chunk_frames)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
-    if condition_latents is not None and condition_latents.shape[2] != num_frames:
+    for name, latents in (("condition_latents", condition_latents), ("control_latents", control_latents)):
+        if latents is not None and latents.shape[2] != num_frames:
+            raise ValueError(f"{name} has {latents.shape[2]} frames but noise has {num_frames}; they must match.")
+    is_vace = getattr(transformer, "vace_blocks", None) is not None
+    if is_vace != (control_latents is not None):
         raise ValueError(
-            f"condition_latents has {condition_latents.shape[2]} frames but noise has {num_frames}; they must match."
+            "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
+            else "control_latents were given but the transformer has no VACE blocks; drop them."
         )
     use_cfg = guidance_scale != 1.0
     if use_cfg and negative_prompt_embeds is None:
@@ -126,12 +135,16 @@ def causal_rollout(
         clear_caches(transformer)
 
     def forward(x, t, start, tag, store_kv, cond):
-        inputs = x if cond is None else torch.cat([x, cond], dim=1)
+        """One transformer forward on a chunk; ``cond`` holds the chunk's slices of the per-frame inputs."""
+        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
+        extra = {} if cond["control"] is None else {
+            "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
+        }
         timestep = torch.full((batch,), float(t), device=x.device, dtype=torch.float32)
         with CausalContext(transformer, start_frame=start, cache_tag=tag, store_kv=store_kv,
                            cache_engines=cache_engines):
             return transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompts[tag],
-                               encoder_hidden_states_image=image_embeds, return_dict=False)[0]
+                               encoder_hidden_states_image=image_embeds, return_dict=False, **extra)[0]
 
     def flow(x, t, start, cond):
         pos = forward(x, t, start, "pos", False, cond)
@@ -148,7 +161,10 @@ def causal_rollout(
     for size in tqdm(sizes, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()
         x = noise[:, :, start:start + size]
-        cond = None if condition_latents is None else condition_latents[:, :, start:start + size]
+        cond = {
+            name: None if latents is None else latents[:, :, start:start + size]
+            for name, latents in (("condition", condition_latents), ("control", control_latents))
+        }
         if scheduler is None:
             for i, sigma in enumerate(sigmas.tolist()):
                 x0 = x - sigma * flow(x, sigma * 1000, start, cond)

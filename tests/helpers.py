@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from diffusers_causal_kv import CausalContext
 
 TEXT_DIM = 32
 I2V_TEXT_LEN = 512  # stock I2V splits the image tokens off assuming 512 text tokens
+VACE_CHANNELS = 24
 
 
 def tiny_wan(head_dim: int = 12, heads: int = 2, layers: int = 2, i2v: bool = False, seed: int = 0,
@@ -28,6 +29,22 @@ def tiny_wan(head_dim: int = 12, heads: int = 2, layers: int = 2, i2v: bool = Fa
     kwargs.update(config)
     model = WanTransformer3DModel(**kwargs).eval()
     # Random weights everywhere, including the zero-initialised ones, so every path matters numerically.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def tiny_vace(vace_layers=(0, 2), layers: int = 3, seed: int = 0, head_dim: int = 12, heads: int = 2,
+              **config) -> WanVACETransformer3DModel:
+    """A tiny random VACE transformer; the default VACE layers [0, 2] of 3 are not contiguous."""
+    torch.manual_seed(seed)
+    model = WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=list(vace_layers),
+        vace_in_channels=VACE_CHANNELS, **config,
+    ).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn_like(param) * 0.2)
@@ -64,22 +81,24 @@ def block_causal_mask(chunk_frames: list[int], frame_tokens: int) -> torch.Tenso
     return c[None, :] <= c[:, None]
 
 
-def masked_full_forward(model, hidden_states, timestep, text, image, mask):
-    """One stock forward over the whole sequence with ``mask`` on every self-attention (no plugin involved)."""
+def masked_full_forward(model, hidden_states, timestep, text, image, mask, **extra):
+    """One stock forward over the whole sequence with ``mask`` on every self-attention, of the main and (VACE)
+    control streams alike (no plugin involved). ``extra`` goes to the forward (e.g. control latents)."""
     saved = model.attn_processors
     model.set_attn_processor(MaskedStockProcessor(mask))
     try:
         return model(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=text,
-                     encoder_hidden_states_image=image, return_dict=False)[0]
+                     encoder_hidden_states_image=image, return_dict=False, **extra)[0]
     finally:
         model.set_attn_processor(saved)
 
 
-def forward(model, x, t, text, image=None, **ctx):
-    """One no-grad forward of ``model``, under a ``CausalContext(model, **ctx)`` when ``ctx`` is given."""
+def forward(model, x, t, text, image=None, extra=None, **ctx):
+    """One no-grad forward of ``model``, under a ``CausalContext(model, **ctx)`` when ``ctx`` is given; ``extra``
+    holds further forward arguments (VACE control latents)."""
     with torch.no_grad(), (CausalContext(model, **ctx) if ctx else contextlib.nullcontext()):
         return model(hidden_states=x, timestep=t, encoder_hidden_states=text, encoder_hidden_states_image=image,
-                     return_dict=False)[0]
+                     return_dict=False, **(extra or {}))[0]
 
 
 def cache_snapshot(model) -> dict:
