@@ -47,15 +47,19 @@ def tiny_random_models(seed: int):
         text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
+    return transformer, tiny_random_vae(), tiny_prompt_encoder
 
-    def encode(prompt: str, batch: int = 1) -> torch.Tensor:
-        # Stands in for the T5 encoder: a deterministic embedding per prompt.
-        g = torch.Generator().manual_seed(sum(map(ord, prompt)))
-        return torch.randn(batch, 16, 32, generator=g)
 
-    return transformer, vae, encode
+def tiny_random_vae() -> AutoencoderKLWan:
+    """A tiny random Wan VAE with the real model's compression (8x spatial, 4x temporal, 16 latent channels)."""
+    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True])
+
+
+def tiny_prompt_encoder(prompt: str, batch: int = 1) -> torch.Tensor:
+    """Stands in for the T5 encoder of the tiny models: a deterministic random embedding per prompt."""
+    g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+    return torch.randn(batch, 16, 32, generator=g)
 
 
 def pretrained_models(model_id: str, device: torch.device, dtype: torch.dtype):

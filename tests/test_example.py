@@ -1,15 +1,16 @@
-"""The main job: examples/causal_rollout.py runs end to end and writes a playable mp4."""
+"""The examples run end to end and write playable mp4s."""
 
 import importlib.util
 from pathlib import Path
 
 import imageio.v3 as iio
+import numpy as np
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "causal_rollout.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("causal_rollout_example", EXAMPLE)
+def _load(name: str = "causal_rollout"):
+    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,3 +24,16 @@ def test_example_writes_a_playable_mp4(tmp_path, capsys):
     assert frames.std() > 1  # decoded content, not a blank video
     printed = capsys.readouterr().out
     assert "chunks (latent frames): [3, 2]" in printed and "chunk 1: 2 frames" in printed
+
+
+def test_vace_example_writes_a_playable_mp4_steered_by_the_control(tmp_path, capsys):
+    output, control = tmp_path / "vace.mp4", tmp_path / "depth.mp4"
+    _load("causal_vace_rollout").main(["--output", str(output), "--control-output", str(control),
+                                       "--num-frames", "17", "--chunk-frames", "2"])
+    frames, depth = iio.imread(output), iio.imread(control)
+    assert frames.shape == depth.shape == (17, 64, 64, 3)
+    assert frames.std() > 1
+    assert not np.allclose(depth[0], depth[-1], atol=10)  # the square moved
+    printed = capsys.readouterr().out
+    assert "chunks (latent frames): [3, 2]" in printed
+    assert "'main' cache:" in printed and "'vace' cache:" in printed
