@@ -6,6 +6,8 @@ from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward,
 
 from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor
 
+pytestmark = pytest.mark.usefixtures("make_engine")  # run every test on each engine
+
 T = torch.tensor([500.0, 500.0])
 
 

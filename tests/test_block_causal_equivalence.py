@@ -62,7 +62,7 @@ def run_and_compare(model, chunks, tags=("pos", "neg"), batch=2, commit_t=0.0, s
 
 @pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v"])
 @pytest.mark.parametrize("chunks", [[1, 1, 1], [3, 3, 3], [2, 1, 3]], ids=["chunk1", "chunk3", "uneven"])
-def test_rollout_matches_block_causal_full_forward(chunks, i2v):
+def test_rollout_matches_block_causal_full_forward(chunks, i2v, make_engine):
     model = tiny_wan(i2v=i2v)
     model.set_attn_processor(CausalWanAttnProcessor())
     run_and_compare(model, chunks)
@@ -70,14 +70,14 @@ def test_rollout_matches_block_causal_full_forward(chunks, i2v):
 
 @pytest.mark.parametrize("head_dim", [24, 16], ids=["head24", "head16"])
 @pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v"])
-def test_rope_split_follows_the_model(head_dim, i2v):
+def test_rope_split_follows_the_model(head_dim, i2v, make_engine):
     # 16 is not a multiple of 6: t/h/w split 8/4/4, which only the rope module's own dims give.
     model = tiny_wan(head_dim=head_dim, i2v=i2v)
     model.set_attn_processor(CausalWanAttnProcessor())
     run_and_compare(model, [1, 2, 2])
 
 
-def test_context_noise_commit_and_single_tag_batch_one():
+def test_context_noise_commit_and_single_tag_batch_one(make_engine):
     model = tiny_wan(layers=3)
     model.set_attn_processor(CausalWanAttnProcessor())
     run_and_compare(model, [2, 2, 1], tags=("pos",), batch=1, commit_t=80.0, steps=(1000.0,))

@@ -7,6 +7,8 @@ from helpers import conditioning, forward, tiny_wan
 
 from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor, clear_caches
 
+pytestmark = pytest.mark.usefixtures("make_engine")  # run every test on each engine
+
 
 def _projection_counter(model):
     calls = []

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import conditioning, forward, tiny_wan
 
-from diffusers_causal_kv import CausalWanAttnProcessor, KVCacheEngine, VanillaKVCacheEngine
+from diffusers_causal_kv import CausalWanAttnProcessor, KVCacheEngine, StaticKVCacheEngine, VanillaKVCacheEngine
 
 
 @pytest.fixture
@@ -20,6 +20,11 @@ def _commit(model, start, frames, tag="pos", seed=0):
     return forward(model, x, torch.zeros(2), text, start_frame=start, store_kv=True, cache_tag=tag)
 
 
+def _held_frames(engine, cached):
+    """Frames of self K/V an engine holds for a tag with ``cached`` frames (the static engine: all it allocated)."""
+    return engine.max_frames if isinstance(engine, StaticKVCacheEngine) else cached
+
+
 def test_vanilla_keeps_a_list_of_chunks(model):
     assert KVCacheEngine is VanillaKVCacheEngine
     _commit(model, 0, 2)
@@ -30,21 +35,22 @@ def test_vanilla_keeps_a_list_of_chunks(model):
     assert key.shape == value.shape == (2, 12, 2, 12)
 
 
-def test_memory_bytes_is_exact(model):
-    engine = model.kv_cache_engines = {"main": KVCacheEngine()}
+def test_memory_bytes_is_exact(model, make_engine):
+    engine = model.kv_cache_engines = {"main": make_engine()}
     engine = engine["main"]
     assert engine.memory_bytes() == 0
     _commit(model, 0, 3)
     blocks, batch, heads, head_dim, text_len = 2, 2, 2, 12, 12
-    self_bytes = blocks * 2 * batch * 3 * 4 * heads * head_dim * 4  # K and V, 3 frames x 4 tokens, fp32
+    frame_bytes = blocks * 2 * batch * 4 * heads * head_dim * 4  # K and V of one frame (4 tokens), fp32
     cross_bytes = blocks * 2 * batch * text_len * heads * head_dim * 4
-    assert engine.memory_bytes() == self_bytes + cross_bytes
+    assert engine.memory_bytes() == _held_frames(engine, 3) * frame_bytes + cross_bytes
     _commit(model, 0, 2, tag="neg")
-    assert engine.memory_bytes() == self_bytes * 5 // 3 + 2 * cross_bytes
+    held = _held_frames(engine, 3) + _held_frames(engine, 2)
+    assert engine.memory_bytes() == held * frame_bytes + 2 * cross_bytes
 
 
-def test_crop_drops_newest_frames_and_continues(model):
-    engine = model.kv_cache_engines = {"main": KVCacheEngine()}
+def test_crop_drops_newest_frames_and_continues(model, make_engine):
+    engine = model.kv_cache_engines = {"main": make_engine()}
     engine = engine["main"]
     _commit(model, 0, 2)
     prefix_two = [t.clone() for t in engine.get_self_prefix(1, "pos")]
@@ -53,7 +59,8 @@ def test_crop_drops_newest_frames_and_continues(model):
     engine.crop(-3)
     assert engine.num_frames("pos") == 2 and engine.next_frame("pos") == 2
     assert all(torch.equal(a, b) for a, b in zip(engine.get_self_prefix(1, "pos"), prefix_two))
-    assert engine.memory_bytes() == full_bytes - 2 * 2 * (2 * 3 * 4 * 2 * 12 * 4)
+    dropped = _held_frames(engine, 5) - _held_frames(engine, 2)
+    assert engine.memory_bytes() == full_bytes - dropped * (2 * 2 * 2 * 4 * 2 * 12 * 4)
     # Re-committing the dropped chunk gives the same cache (and outputs) as never having cropped it.
     out = _commit(model, 2, 3, seed=1)
     engine.crop(4)  # mid-chunk crop
@@ -67,7 +74,7 @@ def test_crop_drops_newest_frames_and_continues(model):
     assert engine.num_frames("pos") == 4
 
 
-def test_crop_then_recommit_matches_uncropped(model):
+def test_crop_then_recommit_matches_uncropped(model, make_engine):
     text, _ = conditioning(model)
     ref_model = tiny_wan()
     ref_model.set_attn_processor(CausalWanAttnProcessor())
@@ -83,8 +90,8 @@ def test_crop_then_recommit_matches_uncropped(model):
     assert torch.equal(a, b)
 
 
-def test_crop_validates_every_tag_before_cropping(model):
-    engine = model.kv_cache_engines = {"main": KVCacheEngine()}
+def test_crop_validates_every_tag_before_cropping(model, make_engine):
+    engine = model.kv_cache_engines = {"main": make_engine()}
     engine = engine["main"]
     _commit(model, 0, 3)
     _commit(model, 0, 1, tag="neg")
@@ -93,10 +100,10 @@ def test_crop_validates_every_tag_before_cropping(model):
     assert engine.num_frames("pos") == 3 and engine.num_frames("neg") == 1
 
 
-def test_repr_is_readable(model):
-    engine = model.kv_cache_engines = {"main": KVCacheEngine()}
+def test_repr_is_readable(model, make_engine):
+    engine = model.kv_cache_engines = {"main": make_engine()}
     engine = engine["main"]
     _commit(model, 0, 2)
     text = repr(engine)
-    assert text.startswith("VanillaKVCacheEngine(blocks=2")
+    assert text.startswith(f"{type(engine).__name__}(") and "blocks=2" in text
     assert "'pos': 2 frames x 4 tokens, batch 2, cross filled" in text and "MiB" in text

@@ -1,8 +1,9 @@
 """KV-cache engines. ``KVCacheEngine`` is the default engine, the vanilla reference."""
 
 from .base import BaseKVCacheEngine, CrossEntry, TagInfo
+from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine
 
 KVCacheEngine = VanillaKVCacheEngine
 
-__all__ = ["BaseKVCacheEngine", "CrossEntry", "KVCacheEngine", "TagInfo", "VanillaKVCacheEngine"]
+__all__ = ["BaseKVCacheEngine", "CrossEntry", "KVCacheEngine", "StaticKVCacheEngine", "TagInfo", "VanillaKVCacheEngine"]

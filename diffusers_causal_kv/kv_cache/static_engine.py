@@ -1,0 +1,169 @@
+"""A zero-copy engine: each block's self K/V live in one preallocated buffer per tag, read as views.
+
+Self entry payload (:class:`StaticBuffers`)
+    ``keys``/``values``: ``[batch, max_frames * frame_tokens, heads, head_dim]`` each, allocated (uninitialised) by
+    the tag's first commit, when the head shape is first known; ``len``, the number of committed tokens; ``capacity``,
+    the allocated tokens. Only ``[:, :len]`` holds committed K/V: what lies after it is scratch.
+
+Reads and writes
+    * No-grad passes on a tag that has buffers write the current chunk's K/V in place right after the committed
+      prefix (``[:, len:len + chunk]``) and attend over the view ``[:, :len + chunk]``: no concatenation and no copy
+      of the prefix. The write does not advance ``len``; only the commit of a ``store_kv=True`` forward does, and
+      since that forward already wrote its chunk in place, the commit copies nothing.
+    * Grad-enabled passes attend over fresh tensors (a clone of the prefix concatenated with the chunk), so no view
+      that a live autograd graph saved is overwritten by a later write, commit or crop.
+    * The first chunk of a tag attends over its own K/V; its commit allocates the buffers and copies it in.
+
+    The views of a pass are prepared by :meth:`StaticKVCacheEngine.check_pass`, outside the transformer blocks: code
+    compiled with ``torch.compile`` then only sees tensors whose shapes change per chunk (one dynamic-shape
+    recompile), never the Python integers of the bookkeeping (which would recompile for every chunk).
+
+``start_frame`` rule
+    Append-only, as the vanilla engine: a cached pass on a tag starts at the number of frames the tag holds.
+
+Capacity
+    A pass whose chunk would end after ``max_frames`` raises ``ValueError`` in :meth:`check_pass`, before any work,
+    naming the frames needed. :meth:`~BaseKVCacheEngine.crop` only moves ``len`` (the memory stays allocated);
+    :meth:`clear` frees the buffers.
+
+Memory
+    :meth:`~BaseKVCacheEngine.memory_bytes` counts the allocated buffers: ``2 x batch x max_frames * frame_tokens x
+    heads x head_dim x element size`` per block and tag once the tag committed, plus the cross entries.
+
+Cross entries, per-tag metadata and the other errors are those of :mod:`diffusers_causal_kv.kv_cache.base`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import BaseKVCacheEngine, TagInfo
+
+if TYPE_CHECKING:
+    from ..context import ForwardPass
+
+
+@dataclass
+class StaticBuffers:
+    capacity: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    len: int = 0
+
+
+@dataclass
+class PassViews:
+    """One block's views for the pass in flight: where the chunk is written and what is attended over."""
+
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class StaticKVCacheEngine(BaseKVCacheEngine):
+    """Append-only KV cache of at most ``max_frames`` latent frames per tag, in preallocated buffers."""
+
+    def __init__(self, max_frames: int) -> None:
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames <= 0:
+            raise ValueError(f"max_frames must be a positive int (latent frames per tag), got {max_frames!r}.")
+        super().__init__()
+        self.max_frames = max_frames
+        self._pass_views: dict[str, dict[int, PassViews]] = {}
+
+    def check_pass(self, p: ForwardPass) -> None:
+        """The base checks, the capacity check, then the views the pass writes and reads (no state changes)."""
+        super().check_pass(p)
+        end_frame = p.start_frame + p.num_frames
+        if end_frame > self.max_frames:
+            raise ValueError(
+                f"chunk covers latent frames {p.start_frame}..{end_frame - 1} but this StaticKVCacheEngine holds at "
+                f"most {self.max_frames} frames per tag; build it with StaticKVCacheEngine(max_frames={end_frame}) "
+                "or more, shorten the rollout, or use a rolling engine."
+            )
+        self._pass_views.pop(p.cache_tag, None)
+        if torch.is_grad_enabled():
+            return
+        chunk_tokens = p.num_frames * p.frame_tokens
+        views = {}
+        for block_idx, tags in self._self_kv.items():
+            entry = tags.get(p.cache_tag)
+            if entry is None or entry.keys is None:
+                return
+            start, end = entry.len, entry.len + chunk_tokens
+            views[block_idx] = PassViews(
+                entry.keys[:, start:end], entry.values[:, start:end], entry.keys[:, :end], entry.values[:, :end]
+            )
+        if views:
+            self._pass_views[p.cache_tag] = views
+
+    def attention_kv(self, block_idx: int, p: ForwardPass, key: torch.Tensor, value: torch.Tensor):
+        """No-grad passes with buffers: write the chunk in place after the prefix and return views of the buffers.
+        Otherwise (gradients enabled, or the tag's first chunk): the base behaviour over fresh tensors."""
+        views = None if torch.is_grad_enabled() else self._pass_views.get(p.cache_tag)
+        if views is None:
+            return super().attention_kv(block_idx, p, key, value)
+        view = views[block_idx]
+        view.new_keys.copy_(key)
+        view.new_values.copy_(value)
+        if p.store_kv and not p.recomputing:
+            p.staged_for(self).self_kv[block_idx] = (view.new_keys, view.new_values)
+        return view.keys, view.values
+
+    def clear(self) -> None:
+        super().clear()
+        self._pass_views.clear()
+
+    def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
+        super().crop(num_frames, cache_tag)
+        self._pass_views.clear()
+
+    # ------------------------------------------------------------------ self payload
+    def _self_new_entry(self, info: TagInfo) -> StaticBuffers:
+        return StaticBuffers(capacity=self.max_frames * info.frame_tokens)
+
+    def _self_append(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
+        if entry.keys is None:
+            shape = (key.shape[0], entry.capacity, *key.shape[2:])
+            entry.keys = key.new_empty(shape)
+            entry.values = value.new_empty(shape)
+        start, end = entry.len, entry.len + key.shape[1]
+        if end > entry.capacity:  # check_pass refuses such passes; this guards direct calls
+            raise ValueError(
+                f"appending {key.shape[1]} tokens to a static buffer holding {start} of {entry.capacity}; build the "
+                "engine with a larger max_frames."
+            )
+        for buffer, new in ((entry.keys, key), (entry.values, value)):
+            target = buffer[:, start:end]
+            if not _same_memory(target, new):  # a no-grad commit already wrote its chunk in place
+                target.copy_(new)
+        entry.len = end
+
+    def _self_prefix(self, entry: StaticBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+        # A clone: a crop followed by a commit rewrites the buffer where this prefix lies.
+        return entry.keys[:, : entry.len].clone(), entry.values[:, : entry.len].clone()
+
+    def _self_attend(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor):
+        start, end = entry.len, entry.len + key.shape[1]
+        entry.keys[:, start:end].copy_(key)
+        entry.values[:, start:end].copy_(value)
+        return entry.keys[:, :end], entry.values[:, :end]
+
+    def _self_crop(self, entry: StaticBuffers, keep_tokens: int) -> None:
+        entry.len = keep_tokens
+
+    def _self_entry_bytes(self, entry: StaticBuffers) -> int:
+        return 0 if entry.keys is None else entry.keys.nbytes + entry.values.nbytes
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("(blocks=", f"(max_frames={self.max_frames}, blocks=", 1)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )

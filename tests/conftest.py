@@ -1,0 +1,23 @@
+"""Shared fixtures: ``make_engine`` runs a test once per KV-cache engine."""
+
+import pytest
+
+import diffusers_causal_kv.model
+from diffusers_causal_kv import StaticKVCacheEngine, VanillaKVCacheEngine
+
+# Enough frames for every rollout in the tests (their RoPE tables have at most 32 positions).
+STATIC_MAX_FRAMES = 32
+
+ENGINES = {
+    "vanilla": VanillaKVCacheEngine,
+    "static": lambda: StaticKVCacheEngine(max_frames=STATIC_MAX_FRAMES),
+}
+
+
+@pytest.fixture(params=sorted(ENGINES), ids=lambda name: f"engine={name}")
+def make_engine(request, monkeypatch):
+    """A factory of fresh engines of one kind, which is also the default engine installation creates, so every
+    transformer the test builds runs on it."""
+    factory = ENGINES[request.param]
+    monkeypatch.setattr(diffusers_causal_kv.model, "KVCacheEngine", factory)
+    return factory
