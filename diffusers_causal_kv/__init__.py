@@ -2,21 +2,25 @@
 
 from .context import CausalContext, get_current_context
 from .kv_cache import BaseKVCacheEngine, KVCacheEngine, StaticKVCacheEngine, VanillaKVCacheEngine
+from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
 from .processors import CausalWanAttnProcessor
-from .rollout import RolloutOutput, causal_rollout, chunk_schedule
+from .rollout import RolloutOutput, causal_rollout
 
 __all__ = [
     "BaseKVCacheEngine",
     "CausalContext",
+    "CausalMask",
     "CausalWanAttnProcessor",
     "KVCacheEngine",
     "RolloutOutput",
     "StaticKVCacheEngine",
     "VanillaKVCacheEngine",
+    "block_causal_mask",
     "causal_rollout",
     "chunk_schedule",
     "clear_caches",
     "get_current_context",
+    "teacher_forcing_mask",
     "uninstall_causal_kv",
 ]

@@ -23,6 +23,9 @@ import torch
 
 if TYPE_CHECKING:
     from .kv_cache.base import BaseKVCacheEngine, CrossEntry
+    from .masks import CausalMask
+
+MODES = ("cache", "block_causal", "teacher_forcing")
 
 # Read-only mappings: opening a context publishes a new one, so an outer context's view never changes.
 _OPEN_CONTEXTS: ContextVar[Mapping[int, CausalContext]] = ContextVar(
@@ -46,6 +49,24 @@ class CausalContext:
         cache_engines (dict[str, BaseKVCacheEngine]): the engines read and written, one per branch (``"main"``,
             plus ``"vace"`` for VACE). Defaults to ``transformer.kv_cache_engines``; pass your own map to run one
             rollout per user session over one set of weights. Resolved and registered when the context opens.
+        mode (str): how self-attention sees other frames.
+
+            * ``"cache"`` (default): the forward is one chunk of a rollout; it attends over the engine's cached
+              prefix and itself (inference, self-forcing).
+            * ``"block_causal"``: the forward is a whole sequence, self-attention is masked with
+              :func:`~diffusers_causal_kv.block_causal_mask` and no cache is read or written (diffusion forcing /
+              causal pretraining, with per-chunk noise levels passed as per-token timesteps).
+            * ``"teacher_forcing"``: the forward is ``[clean context | noisy frames]`` (two halves of the same length
+              and chunk schedule), masked with :func:`~diffusers_causal_kv.teacher_forcing_mask`; both halves get the
+              same temporal RoPE positions, ``start_frame ...``, so noisy chunk *k* sits at clean chunk *k*'s
+              positions. No cache is involved.
+        chunk_frames (int | list[int]): mask modes: the chunk schedule (of one half, for teacher forcing), with the
+            remainder rule of :func:`~diffusers_causal_kv.chunk_schedule`. The mask is built for each forward.
+        window_frames (int | None), sink_frames (int): mask modes: restrict each chunk to a sliding window of
+            ``window_frames`` frames plus the first ``sink_frames`` frames (see :mod:`diffusers_causal_kv.masks`).
+        mask (CausalMask): mask modes: a prebuilt mask instead of ``chunk_frames``/``window_frames``/
+            ``sink_frames`` (reuse one across training steps; a FlexAttention ``BlockMask`` is built once). Its
+            ``kind`` must be the mode and its size the forward's sequence.
 
     The context is a re-usable, non-reentrant context manager. Opening it completes installation (engine
     creation, module registration, hooks) if ``transformer.set_attn_processor(CausalWanAttnProcessor())`` was
@@ -60,6 +81,11 @@ class CausalContext:
         cache_tag: str = "pos",
         store_kv: bool = False,
         cache_engines: dict[str, BaseKVCacheEngine] | None = None,
+        mode: str = "cache",
+        chunk_frames: int | list[int] | None = None,
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        mask: CausalMask | None = None,
     ) -> None:
         if isinstance(start_frame, bool) or not isinstance(start_frame, int):
             raise TypeError(f"start_frame must be an int (a latent frame index), got {type(start_frame).__name__}.")
@@ -67,11 +93,17 @@ class CausalContext:
             raise ValueError(f"start_frame must be >= 0, got {start_frame}; pass the latent frame the chunk starts at.")
         if not isinstance(cache_tag, str):
             raise TypeError(f"cache_tag must be a str such as 'pos' or 'neg', got {type(cache_tag).__name__}.")
+        _check_mode(mode, store_kv, chunk_frames, window_frames, sink_frames, mask)
         self.transformer = transformer
         self.start_frame = start_frame
         self.cache_tag = cache_tag
         self.store_kv = bool(store_kv)
         self._requested_engines = cache_engines
+        self.mode = mode
+        self.chunk_frames = chunk_frames
+        self.window_frames = window_frames
+        self.sink_frames = sink_frames
+        self.mask = mask
         self.cache_engines: dict[str, BaseKVCacheEngine] | None = None
         self._token = None
 
@@ -107,8 +139,40 @@ class CausalContext:
     def __repr__(self) -> str:
         return (
             f"CausalContext({type(self.transformer).__name__}, start_frame={self.start_frame}, "
-            f"cache_tag={self.cache_tag!r}, store_kv={self.store_kv})"
+            f"cache_tag={self.cache_tag!r}, store_kv={self.store_kv}, mode={self.mode!r})"
         )
+
+
+def _check_mode(mode, store_kv, chunk_frames, window_frames, sink_frames, mask) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    mask_options = {"chunk_frames": chunk_frames, "window_frames": window_frames, "sink_frames": sink_frames or None,
+                    "mask": mask}
+    if mode == "cache":
+        given = [name for name, value in mask_options.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} only apply to the mask modes 'block_causal' and 'teacher_forcing'; in "
+                "mode='cache' the engine decides what a chunk attends to (use a rolling engine for a window)."
+            )
+        return
+    if store_kv:
+        raise ValueError(
+            f"mode={mode!r} runs the whole sequence with a mask and never touches the KV cache, so store_kv=True "
+            "cannot apply; commit chunks with mode='cache' (the default)."
+        )
+    if (mask is None) == (chunk_frames is None):
+        raise ValueError(
+            f"mode={mode!r} needs exactly one of chunk_frames (the mask is built per forward) or mask (a prebuilt "
+            "CausalMask)."
+        )
+    if mask is not None:
+        if window_frames is not None or sink_frames:
+            raise ValueError("window_frames/sink_frames are part of a prebuilt mask; pass them to its builder.")
+        if getattr(mask, "kind", None) != mode:
+            raise ValueError(
+                f"mask is {mask!r} but mode={mode!r}; build it with the {mode}_mask() builder or change the mode."
+            )
 
 
 def get_current_context(transformer: torch.nn.Module) -> CausalContext | None:
@@ -134,7 +198,8 @@ class ForwardPass:
     """One transformer forward under a :class:`CausalContext`: its validated shapes and what it stages.
 
     Built by the model-layer hook after validation. ``frame_tokens`` is the number of tokens per latent frame
-    (post-patch height x width); ``num_frames`` the post-patch latent frames of the chunk.
+    (post-patch height x width); ``num_frames`` the post-patch latent frames of the input (the chunk, or in a mask
+    mode the whole sequence).
     """
 
     context: CausalContext
@@ -144,6 +209,10 @@ class ForwardPass:
     dtype: torch.dtype
     device: torch.device
     conditioning: tuple[torch.Tensor | None, ...]
+    positions: torch.Tensor
+    """Temporal RoPE position of each post-patch latent frame of the input."""
+    mask: CausalMask | None = None
+    """The self-attention mask of a mask mode; ``None`` in mode ``"cache"``."""
     recomputing: bool = False
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedKV]] = field(default_factory=dict, repr=False)
     _prefixes: dict[tuple[int, int], tuple | None] = field(default_factory=dict, repr=False)

@@ -25,6 +25,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from .context import ForwardPass, get_current_context, no_running_pass
 from .kv_cache import BaseKVCacheEngine, KVCacheEngine
+from .masks import CausalMask, block_causal_mask, teacher_forcing_mask
 from .positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
 from .processors import WAN_TEXT_CONTEXT_LENGTH, CausalWanAttnProcessor
 
@@ -170,8 +171,9 @@ class CausalForwardHook(ModelHook):
                 return self.fn_ref.original_forward(*args, **kwargs)
         inputs = self._signature.bind(*args, **kwargs).arguments
         p = build_forward_pass(module, ctx, inputs)
-        for engine in p.engines:
-            engine.check_pass(p)
+        if p.mask is None:  # mask modes never touch the cache
+            for engine in p.engines:
+                engine.check_pass(p)
         with p.running(), _checkpointing_under(module, p):
             output = self.fn_ref.original_forward(*args, **kwargs)
         p.commit()
@@ -225,7 +227,11 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
     frame_tokens = grid_h * grid_w
     is_vace = "vace" in branch_blocks(transformer)
     _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens, per_token=not is_vace)
-    _check_rope_range(transformer, ctx.start_frame, num_frames, grid_h, grid_w)
+    mask = None if ctx.mode == "cache" else _sequence_mask(ctx, num_frames, frame_tokens)
+    # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
+    span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
+    _check_rope_range(transformer, ctx.start_frame, span, grid_h, grid_w)
+    positions = (ctx.start_frame + torch.arange(span)).repeat(num_frames // span)
     text = inputs.get("encoder_hidden_states")
     image = inputs.get("encoder_hidden_states_image")
     _check_conditioning(transformer, text, image, batch)
@@ -240,7 +246,28 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
         dtype=hidden_states.dtype,
         device=hidden_states.device,
         conditioning=(text, image),
+        positions=positions,
+        mask=mask,
     )
+
+
+def _sequence_mask(ctx, num_frames: int, frame_tokens: int) -> CausalMask:
+    """The mask of a mask-mode forward over ``num_frames`` post-patch frames: the context's, or built for it."""
+    if ctx.mode == "teacher_forcing" and num_frames % 2:
+        raise ValueError(
+            f"mode='teacher_forcing' takes [clean context | noisy frames] with halves of equal length, but the "
+            f"input has {num_frames} latent frames; concatenate clean and noisy latents of the same length."
+        )
+    if ctx.mask is not None:
+        if (ctx.mask.num_frames, ctx.mask.frame_tokens) != (num_frames, frame_tokens):
+            raise ValueError(
+                f"{ctx.mask!r} covers {ctx.mask.num_frames} frames of {ctx.mask.frame_tokens} tokens but this "
+                f"forward has {num_frames} frames of {frame_tokens} tokens; build the mask for this sequence."
+            )
+        return ctx.mask
+    build = block_causal_mask if ctx.mode == "block_causal" else teacher_forcing_mask
+    half = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
+    return build(half, ctx.chunk_frames, frame_tokens, window_frames=ctx.window_frames, sink_frames=ctx.sink_frames)
 
 
 def _check_timestep(timestep, batch: int, tokens: int, per_token: bool = True) -> None:

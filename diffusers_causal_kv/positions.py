@@ -1,7 +1,8 @@
 """Temporal RoPE positions for chunks: a diffusers hook on ``transformer.rope``.
 
 The stock ``WanRotaryPosEmbed`` numbers the frames of its input ``0..F-1``. Under a running
-:class:`~diffusers_causal_kv.context.ForwardPass` the hook numbers them from the pass's ``start_frame`` instead,
+:class:`~diffusers_causal_kv.context.ForwardPass` the hook gives them the pass's ``positions`` instead (from
+``start_frame`` on; in teacher forcing, the same positions for the clean and the noisy half),
 using the rope module's own ``t_dim/h_dim/w_dim`` split and frequency tables (so any head dim works, not only
 multiples of 6). Outside a pass it calls the stock forward untouched.
 """
@@ -47,13 +48,12 @@ def rope_for_frames(rope: torch.nn.Module, frame_positions: torch.Tensor, height
 
 
 class TemporalRoPEOffsetHook(ModelHook):
-    """Offsets the temporal RoPE positions of ``transformer.rope`` by the running pass's ``start_frame``."""
+    """Gives ``transformer.rope`` the running pass's temporal positions (offset by its ``start_frame``)."""
 
     def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor):
         p = running_pass()
         if p is None:
             return self.fn_ref.original_forward(hidden_states)
-        _, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = module.patch_size
-        positions = torch.arange(p.start_frame, p.start_frame + frames // p_t, device=module.freqs_cos.device)
-        return rope_for_frames(module, positions, height // p_h, width // p_w)
+        _, _, _, height, width = hidden_states.shape
+        _, p_h, p_w = module.patch_size
+        return rope_for_frames(module, p.positions.to(module.freqs_cos.device), height // p_h, width // p_w)

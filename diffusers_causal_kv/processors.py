@@ -12,6 +12,10 @@ the module (never a hardcoded branch) and then:
   projections; otherwise projects the conditioning (text, plus Wan2.1 I2V image tokens) and, in a
   ``store_kv=True`` forward, stages it for the cache.
 
+In the mask modes (``CausalContext(..., mode="block_causal" | "teacher_forcing")``) the forward is a whole
+sequence: self-attention applies the pass's :class:`~diffusers_causal_kv.CausalMask` (a ``BlockMask`` for the flex
+backend, a dense boolean mask otherwise), cross-attention always projects, and no engine is touched.
+
 Attention itself goes through ``dispatch_attention_fn`` with this processor's ``_attention_backend``, so
 ``transformer.set_attention_backend(...)`` applies.
 """
@@ -19,7 +23,7 @@ Attention itself goes through ``dispatch_attention_fn`` with this processor's ``
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import (
     WanAttnProcessor,
     _get_added_kv_projections,
@@ -28,9 +32,12 @@ from diffusers.models.transformers.transformer_wan import (
 
 from .context import running_pass
 from .kv_cache.base import CrossEntry
+from .positions import apply_rotary_emb
 
 # The stock Wan processor hardcodes the text encoder's context length when splitting I2V image tokens off.
 WAN_TEXT_CONTEXT_LENGTH = 512
+# Backends that take a FlexAttention BlockMask; every other backend gets the dense boolean mask.
+_FLEX = {AttentionBackendName.FLEX}
 
 
 class CausalWanAttnProcessor:
@@ -53,20 +60,30 @@ class CausalWanAttnProcessor:
             return WanAttnProcessor.__call__(
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
             )
-        engine = p.context.resolve_registered_engine(attn)
-        block_idx = engine.block_index(attn)
-        if encoder_hidden_states is None:
+        if encoder_hidden_states is not None:
+            out = self._attend_context(attn, hidden_states, self._context_kv(attn, p, encoder_hidden_states))
+        else:
             query, key, value = _get_qkv_projections(attn, hidden_states, None)
             query, key, value = _heads(attn, attn.norm_q(query), attn.norm_k(key), value)
-            query, key, value = engine.self_attention_qkv(block_idx, p, query, key, value, rotary_emb)
-            out = self._attend(query, key, value)
-        else:
-            out = self._cross_attention(attn, engine, block_idx, p, hidden_states, encoder_hidden_states)
+            if p.mask is None:
+                engine = p.context.resolve_registered_engine(attn)
+                query, key, value = engine.self_attention_qkv(
+                    engine.block_index(attn), p, query, key, value, rotary_emb
+                )
+                out = self._attend(query, key, value)
+            else:  # a mask mode: the whole sequence at once, no cache
+                query, key = apply_rotary_emb(query, *rotary_emb), apply_rotary_emb(key, *rotary_emb)
+                out = self._attend(query, key, value, self._dispatchable(p.mask, query.device))
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
-    def _cross_attention(self, attn, engine, block_idx, p, hidden_states, encoder_hidden_states):
-        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))[0]
+    def _context_kv(self, attn, p, encoder_hidden_states) -> CrossEntry:
+        """The conditioning's K/V: the cached entry in no-grad cached passes once filled, else projected (and
+        staged by the first ``store_kv=True`` forward of a tag). Mask modes always project."""
+        if p.mask is not None:
+            return _project_context(attn, encoder_hidden_states)
+        engine = p.context.resolve_registered_engine(attn)
+        block_idx = engine.block_index(attn)
         entry = None if torch.is_grad_enabled() else engine.read_cross(block_idx, p.cache_tag)
         if entry is None:
             entry = _project_context(attn, encoder_hidden_states)
@@ -74,14 +91,23 @@ class CausalWanAttnProcessor:
                 p.staged_for(engine).cross_kv[block_idx] = CrossEntry(*(
                     None if t is None else t.detach() for t in (entry.key, entry.value, entry.key_img, entry.value_img)
                 ))
+        return entry
+
+    def _attend_context(self, attn, hidden_states, entry: CrossEntry) -> torch.Tensor:
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))[0]
         out = self._attend(query, entry.key, entry.value)
         if entry.key_img is not None:
             out = out + self._attend(query, entry.key_img, entry.value_img)
         return out
 
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _dispatchable(self, mask, device):
+        """FlexAttention takes the mask as a ``BlockMask``; every other backend as a dense boolean tensor."""
+        flex = self._attention_backend is not None and AttentionBackendName(self._attention_backend) in _FLEX
+        return mask.block_mask(device) if flex else mask.dense(device)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None) -> torch.Tensor:
         out = dispatch_attention_fn(
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         )
         return out.flatten(2, 3).type_as(query)
 

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .context import CausalContext
+from .masks import chunk_schedule
 from .model import clear_caches
 
 
@@ -28,23 +29,6 @@ class RolloutOutput:
     """Latent frames per chunk, in order."""
     chunk_seconds: list[float] = field(default_factory=list)
     """Wall-clock seconds per chunk (denoising and commit)."""
-
-
-def chunk_schedule(num_frames: int, chunk_frames: int | Sequence[int]) -> list[int]:
-    """Latent frames per chunk. An int splits ``num_frames`` evenly with the remainder absorbed by the first chunk
-    (21 frames in chunks of 4: ``[5, 4, 4, 4, 4]``); a list is taken as is and must add up to ``num_frames``."""
-    if isinstance(chunk_frames, int):
-        if chunk_frames <= 0:
-            raise ValueError(f"chunk_frames must be positive, got {chunk_frames}.")
-        count = max(num_frames // chunk_frames, 1)
-        return [num_frames - chunk_frames * (count - 1)] + [chunk_frames] * (count - 1)
-    sizes = list(chunk_frames)
-    if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes) or sum(sizes) != num_frames:
-        raise ValueError(
-            f"chunk sizes {sizes} must be positive ints adding up to the {num_frames} latent frames; e.g. "
-            f"[1] + [3] * {(num_frames - 1) // 3} for an independent first frame."
-        )
-    return sizes
 
 
 def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
