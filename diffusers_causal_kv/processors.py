@@ -23,7 +23,11 @@ Attention itself goes through ``dispatch_attention_fn`` with this processor's ``
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+from diffusers.models.attention_dispatch import (
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    dispatch_attention_fn,
+)
 from diffusers.models.transformers.transformer_wan import (
     WanAttnProcessor,
     _get_added_kv_projections,
@@ -102,8 +106,9 @@ class CausalWanAttnProcessor:
 
     def _dispatchable(self, mask, device):
         """FlexAttention takes the mask as a ``BlockMask``; every other backend as a dense boolean tensor."""
-        flex = self._attention_backend is not None and AttentionBackendName(self._attention_backend) in _FLEX
-        return mask.block_mask(device) if flex else mask.dense(device)
+        # Without a backend of its own, dispatch_attention_fn uses the globally active one.
+        backend = self._attention_backend or _AttentionBackendRegistry.get_active_backend()[0]
+        return mask.block_mask(device) if AttentionBackendName(backend) in _FLEX else mask.dense(device)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None) -> torch.Tensor:
         out = dispatch_attention_fn(
