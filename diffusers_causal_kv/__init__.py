@@ -1,7 +1,13 @@
 """Causal, chunk-by-chunk generation with a KV cache for the stock diffusers Wan transformers."""
 
 from .context import CausalContext, get_current_context
-from .kv_cache import BaseKVCacheEngine, KVCacheEngine, StaticKVCacheEngine, VanillaKVCacheEngine
+from .kv_cache import (
+    BaseKVCacheEngine,
+    KVCacheEngine,
+    RollingKVCacheEngine,
+    StaticKVCacheEngine,
+    VanillaKVCacheEngine,
+)
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
 from .processors import CausalWanAttnProcessor
@@ -13,6 +19,7 @@ __all__ = [
     "CausalMask",
     "CausalWanAttnProcessor",
     "KVCacheEngine",
+    "RollingKVCacheEngine",
     "RolloutOutput",
     "StaticKVCacheEngine",
     "VanillaKVCacheEngine",

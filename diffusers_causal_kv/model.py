@@ -230,8 +230,9 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
     mask = None if ctx.mode == "cache" else _sequence_mask(ctx, num_frames, frame_tokens)
     # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
     span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
-    _check_rope_range(transformer, ctx.start_frame, span, grid_h, grid_w)
-    positions = (ctx.start_frame + torch.arange(span)).repeat(num_frames // span)
+    first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
+    _check_rope_range(transformer, first, span, grid_h, grid_w)
+    positions = (first + torch.arange(span)).repeat(num_frames // span)
     text = inputs.get("encoder_hidden_states")
     image = inputs.get("encoder_hidden_states_image")
     _check_conditioning(transformer, text, image, batch)
@@ -288,6 +289,18 @@ def _check_timestep(timestep, batch: int, tokens: int, per_token: bool = True) -
         f"timestep has shape {tuple(timestep.shape)}; a chunk of {tokens} tokens with batch {batch} takes shape "
         f"[{batch}] (one timestep per sample) or [{batch}, {tokens}] (per-token timesteps for this chunk only)."
     )
+
+
+def _rope_start_frame(ctx, num_frames: int) -> int:
+    """The chunk's first temporal RoPE position, as the engines place it (an engine that re-indexes positions
+    inside a window is not bounded by the absolute frame index)."""
+    starts = {e.rope_start_frame(ctx.cache_tag, ctx.start_frame, num_frames) for e in ctx.cache_engines.values()}
+    if len(starts) > 1:
+        raise ValueError(
+            f"the engines of this transformer place the chunk at different RoPE positions {sorted(starts)}, but "
+            "one rotary embedding serves every branch; give every branch the same kind of engine and positions."
+        )
+    return starts.pop()
 
 
 def _check_rope_range(transformer, start_frame: int, num_frames: int, grid_h: int, grid_w: int) -> None:

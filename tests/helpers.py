@@ -127,3 +127,19 @@ def assert_same_snapshot(before: dict, after: dict) -> None:
         (meta_a, bytes_a, tensors_a), (meta_b, bytes_b, tensors_b) = before[branch], after[branch]
         assert meta_a == meta_b and bytes_a == bytes_b and len(tensors_a) == len(tensors_b)
         assert all(torch.equal(a, b) for a, b in zip(tensors_a, tensors_b))
+
+
+def window_mask(chunk_frames: list[int], frame_tokens: int, window_frames: int, sink_frames: int = 0) -> torch.Tensor:
+    """Hand-written dense mask of a rolling window with attention sinks: a token of chunk k (frames [s, s + c))
+    attends to its own chunk, to earlier frames < ``sink_frames`` and to the earlier frames
+    >= s - (window_frames - sink_frames - c)."""
+    allowed = []
+    start = 0
+    for size in chunk_frames:
+        reach = window_frames - sink_frames - size
+        row = [start <= f < start + size or (f < start and (f < sink_frames or f >= start - reach))
+               for f in range(sum(chunk_frames))]
+        allowed += [row] * size
+        start += size
+    frames = torch.tensor(allowed)
+    return frames.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)

@@ -132,6 +132,15 @@ class BaseKVCacheEngine:
         """The ``start_frame`` the next cached pass on ``cache_tag`` must use (append-only: the cached frames)."""
         return self.num_frames(cache_tag)
 
+    def rope_start_frame(self, cache_tag: str, start_frame: int, num_frames: int) -> int:
+        """Temporal RoPE position of the first frame of a chunk of ``num_frames`` frames at ``start_frame``.
+
+        Engines caching keys after RoPE place a chunk at its absolute frame index, ``start_frame``, which
+        ``rope_max_seq_len`` bounds; an engine that re-indexes positions inside a window returns the chunk's
+        position there. The model layer asks before any work and checks the result against the RoPE table.
+        """
+        return start_frame
+
     def is_cross_init(self, cache_tag: str) -> bool:
         return any(tags[cache_tag].is_init for tags in self._cross_kv.values() if cache_tag in tags)
 
