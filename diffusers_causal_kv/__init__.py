@@ -11,7 +11,7 @@ from .kv_cache import (
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
 from .processors import CausalWanAttnProcessor
-from .rollout import RolloutOutput, causal_rollout
+from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
 
 __all__ = [
     "BaseKVCacheEngine",
@@ -28,6 +28,7 @@ __all__ = [
     "chunk_schedule",
     "clear_caches",
     "get_current_context",
+    "self_forcing_rollout",
     "teacher_forcing_mask",
     "uninstall_causal_kv",
 ]

@@ -1,8 +1,12 @@
-"""The causal sampling loop (Self-Forcing / CausVid inference) as a function.
+"""The causal sampling loops as functions: inference (Self-Forcing / CausVid) and the self-forcing training rollout.
 
 For each chunk of latent frames: denoise it against the cached prefix (few-step sampling over a timestep list, or
 any diffusers flow-matching scheduler, reset for every chunk), then run one commit pass on the clean chunk
 (``store_kv=True``, at t=0 or at a ``context_noise`` level) so the next chunks attend to it.
+
+:func:`causal_rollout` runs everything without gradients. :func:`self_forcing_rollout` is the training variant:
+each chunk keeps gradients for one denoising step only (Self-Forcing's stochastic exit step), the commit passes run
+without gradients, and the returned latents carry the autograd graph for a DMD-style loss.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .model import clear_caches
 
 @dataclass
 class RolloutOutput:
-    """Result of :func:`causal_rollout`."""
+    """Result of :func:`causal_rollout` and :func:`self_forcing_rollout`."""
 
     latents: torch.Tensor
     """Clean latents ``[batch, channels, frames, height, width]``."""
@@ -29,6 +33,8 @@ class RolloutOutput:
     """Latent frames per chunk, in order."""
     chunk_seconds: list[float] = field(default_factory=list)
     """Wall-clock seconds per chunk (denoising and commit)."""
+    exit_steps: list[int] | None = None
+    """:func:`self_forcing_rollout`: per chunk, the index in ``timesteps`` of the step that kept gradients."""
 
 
 def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -48,6 +54,75 @@ def resolve_transformer(model) -> torch.nn.Module:
             "supported by the causal rollout yet; pass a single-expert pipeline or one transformer."
         )
     return getattr(model, "transformer", model)
+
+
+class _ChunkForwards:
+    """The transformer forwards of one rollout: per-frame inputs sliced per chunk, one context per forward, CFG."""
+
+    def __init__(self, model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
+                 condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator):
+        self.transformer = transformer = resolve_transformer(model)
+        self.batch, _, num_frames = noise.shape[:3]
+        self.sizes = chunk_schedule(num_frames, chunk_frames)
+        for name, latents in (("condition_latents", condition_latents), ("control_latents", control_latents)):
+            if latents is not None and latents.shape[2] != num_frames:
+                raise ValueError(f"{name} has {latents.shape[2]} frames but noise has {num_frames}; they must match.")
+        is_vace = getattr(transformer, "vace_blocks", None) is not None
+        if is_vace != (control_latents is not None):
+            raise ValueError(
+                "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
+                else "control_latents were given but the transformer has no VACE blocks; drop them."
+            )
+        self.use_cfg = guidance_scale != 1.0
+        if self.use_cfg and negative_prompt_embeds is None:
+            raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
+        self.prompts = {"pos": prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
+        self.guidance_scale, self.image_embeds = guidance_scale, image_embeds
+        self.per_frame = {"condition": condition_latents, "control": control_latents}
+        self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
+
+    def clear(self) -> None:
+        if self.cache_engines is None:
+            clear_caches(self.transformer)
+        else:
+            for engine in self.cache_engines.values():
+                engine.clear()
+
+    def chunk_inputs(self, start: int, size: int) -> dict:
+        """The chunk's slices of the per-frame inputs (I2V condition, VACE control)."""
+        return {name: None if v is None else v[:, :, start:start + size] for name, v in self.per_frame.items()}
+
+    def forward(self, x, t, start, tag, store_kv, cond):
+        """One transformer forward on a chunk under its :class:`CausalContext`."""
+        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
+        extra = {} if cond["control"] is None else {
+            "control_hidden_states": cond["control"], "control_hidden_states_scale": self.control_scale
+        }
+        timestep = torch.full((self.batch,), float(t), device=x.device, dtype=torch.float32)
+        with CausalContext(self.transformer, start_frame=start, cache_tag=tag, store_kv=store_kv,
+                           cache_engines=self.cache_engines):
+            return self.transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=self.prompts[tag],
+                                    encoder_hidden_states_image=self.image_embeds, return_dict=False, **extra)[0]
+
+    def flow(self, x, t, start, cond):
+        """The (guided) flow prediction for a chunk at timestep ``t``."""
+        pos = self.forward(x, t, start, "pos", False, cond)
+        if not self.use_cfg:
+            return pos
+        neg = self.forward(x, t, start, "neg", False, cond)
+        return neg + self.guidance_scale * (pos - neg)
+
+    def commit(self, x, context_noise, start, cond) -> None:
+        """Commit a clean chunk on every tag, re-noised to ``context_noise`` (timestep units) when above 0."""
+        if context_noise > 0:
+            level = context_noise / 1000
+            x = (1 - level) * x + level * self.randn_like(x)
+        with torch.no_grad():
+            for tag in self.prompts:
+                self.forward(x, context_noise, start, tag, True, cond)
+
+    def randn_like(self, x):
+        return torch.randn(x.shape, generator=self.generator, device=x.device, dtype=x.dtype)
 
 
 @torch.no_grad()
@@ -94,80 +169,109 @@ def causal_rollout(
         generator: random generator for re-noising.
         progress: show a tqdm progress bar over chunks.
     """
-    transformer = resolve_transformer(model)
-    batch, _, num_frames = noise.shape[:3]
-    sizes = chunk_schedule(num_frames, chunk_frames)
+    run = _ChunkForwards(model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
+                         condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
-    for name, latents in (("condition_latents", condition_latents), ("control_latents", control_latents)):
-        if latents is not None and latents.shape[2] != num_frames:
-            raise ValueError(f"{name} has {latents.shape[2]} frames but noise has {num_frames}; they must match.")
-    is_vace = getattr(transformer, "vace_blocks", None) is not None
-    if is_vace != (control_latents is not None):
-        raise ValueError(
-            "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
-            else "control_latents were given but the transformer has no VACE blocks; drop them."
-        )
-    use_cfg = guidance_scale != 1.0
-    if use_cfg and negative_prompt_embeds is None:
-        raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
-    prompts = {"pos": prompt_embeds, **({"neg": negative_prompt_embeds} if use_cfg else {})}
-    if cache_engines is not None:
-        for engine in cache_engines.values():
-            engine.clear()
-    else:
-        clear_caches(transformer)
-
-    def forward(x, t, start, tag, store_kv, cond):
-        """One transformer forward on a chunk; ``cond`` holds the chunk's slices of the per-frame inputs."""
-        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
-        extra = {} if cond["control"] is None else {
-            "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
-        }
-        timestep = torch.full((batch,), float(t), device=x.device, dtype=torch.float32)
-        with CausalContext(transformer, start_frame=start, cache_tag=tag, store_kv=store_kv,
-                           cache_engines=cache_engines):
-            return transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompts[tag],
-                               encoder_hidden_states_image=image_embeds, return_dict=False, **extra)[0]
-
-    def flow(x, t, start, cond):
-        pos = forward(x, t, start, "pos", False, cond)
-        if not use_cfg:
-            return pos
-        neg = forward(x, t, start, "neg", False, cond)
-        return neg + guidance_scale * (pos - neg)
-
-    def randn_like(x):
-        return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-
+    run.clear()
     sigmas = shifted_sigmas(timesteps, shift) if scheduler is None else None
     outputs, seconds, start = [], [], 0
-    for size in tqdm(sizes, desc="causal rollout", unit="chunk", disable=not progress):
+    for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()
-        x = noise[:, :, start:start + size]
-        cond = {
-            name: None if latents is None else latents[:, :, start:start + size]
-            for name, latents in (("condition", condition_latents), ("control", control_latents))
-        }
+        x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
         if scheduler is None:
             for i, sigma in enumerate(sigmas.tolist()):
-                x0 = x - sigma * flow(x, sigma * 1000, start, cond)
+                x0 = x - sigma * run.flow(x, sigma * 1000, start, cond)
                 if i + 1 < len(sigmas):
-                    x = (1 - sigmas[i + 1].item()) * x0 + sigmas[i + 1].item() * randn_like(x0)
+                    x = (1 - sigmas[i + 1].item()) * x0 + sigmas[i + 1].item() * run.randn_like(x0)
             x = x0
         else:
             scheduler.set_timesteps(num_inference_steps, device=x.device)
             for t in scheduler.timesteps:
-                x = scheduler.step(flow(x, t, start, cond), t, x, return_dict=False)[0]
-        committed = x
-        if context_noise > 0:
-            level = context_noise / 1000
-            committed = (1 - level) * x + level * randn_like(x)
-        for tag in prompts:
-            forward(committed, context_noise, start, tag, True, cond)
+                x = scheduler.step(run.flow(x, t, start, cond), t, x, return_dict=False)[0]
+        run.commit(x, context_noise, start, cond)
         if x.device.type == "cuda":
             torch.cuda.synchronize(x.device)
         seconds.append(time.perf_counter() - began)
         outputs.append(x)
         start += size
-    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=sizes, chunk_seconds=seconds)
+    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=run.sizes, chunk_seconds=seconds)
+
+
+def self_forcing_rollout(
+    model,
+    noise: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    *,
+    exit_step: int | Sequence[int] | None = None,
+    grad_from_frame: int = 0,
+    chunk_frames: int | Sequence[int] = 3,
+    timesteps: Sequence[float] = (1000, 750, 500, 250),
+    shift: float = 5.0,
+    context_noise: float = 0.0,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    guidance_scale: float = 1.0,
+    condition_latents: torch.Tensor | None = None,
+    image_embeds: torch.Tensor | None = None,
+    control_latents: torch.Tensor | None = None,
+    control_scale: torch.Tensor | None = None,
+    cache_engines: dict | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool = False,
+) -> RolloutOutput:
+    """The Self-Forcing training rollout: few-step causal generation in which each chunk keeps gradients for one
+    denoising step only, ready for a DMD-style loss on ``latents``.
+
+    For each chunk the steps before its exit step run without gradients (predict x0, re-noise to the next
+    timestep); the exit step runs with gradients and its x0 prediction is the chunk's output; then the clean chunk is
+    committed without gradients. The chunk's self-attention reads the cached prefix detached (the engine never
+    holds autograd state) and recomputes its own and the conditioning's K/V with gradients. Gradient checkpointing
+    (``transformer.enable_gradient_checkpointing()``) gives the same gradients: its recomputation in ``backward()``
+    sees the prefix the forward saw, even though later chunks were committed in between.
+
+    Args:
+        exit_step: index into ``timesteps`` of the step that keeps gradients: one int for every chunk, one per chunk,
+            or ``None`` to draw one uniformly with ``generator`` for the whole rollout (Self-Forcing's default).
+        grad_from_frame: chunks that start before this latent frame keep no gradients at all (Self-Forcing trains
+            on the last frames of a long rollout only).
+        Other arguments as in :func:`causal_rollout` (few-step sampling only).
+
+    Returns:
+        :class:`RolloutOutput` whose ``latents`` carry the autograd graph and whose ``exit_steps`` give each chunk's
+        exit step (the DMD loss needs the timestep it exited at).
+    """
+    run = _ChunkForwards(model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
+                         condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
+    exits = _exit_steps(exit_step, len(timesteps), len(run.sizes), generator)
+    sigmas = shifted_sigmas(timesteps, shift).tolist()
+    run.clear()
+    outputs, seconds, start = [], [], 0
+    for size, exit_at in zip(tqdm(run.sizes, desc="self-forcing rollout", unit="chunk", disable=not progress),
+                             exits):
+        began = time.perf_counter()
+        x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
+        with torch.no_grad():
+            for i in range(exit_at):
+                x0 = x - sigmas[i] * run.flow(x, sigmas[i] * 1000, start, cond)
+                x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * run.randn_like(x0)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and start >= grad_from_frame):
+            x0 = x - sigmas[exit_at] * run.flow(x, sigmas[exit_at] * 1000, start, cond)
+        run.commit(x0.detach(), context_noise, start, cond)
+        seconds.append(time.perf_counter() - began)
+        outputs.append(x0)
+        start += size
+    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=run.sizes, chunk_seconds=seconds,
+                         exit_steps=exits)
+
+
+def _exit_steps(exit_step, num_steps: int, num_chunks: int, generator) -> list[int]:
+    if exit_step is None:
+        device = generator.device if generator is not None else "cpu"
+        return [int(torch.randint(num_steps, (1,), generator=generator, device=device))] * num_chunks
+    exits = [exit_step] * num_chunks if isinstance(exit_step, int) else list(exit_step)
+    if len(exits) != num_chunks or any(not isinstance(e, int) or not 0 <= e < num_steps for e in exits):
+        raise ValueError(
+            f"exit_step must be an index into the {num_steps} timesteps (0..{num_steps - 1}), one int or one per "
+            f"chunk ({num_chunks} chunks), got {exit_step!r}."
+        )
+    return exits
