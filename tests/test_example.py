@@ -5,6 +5,7 @@ from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -37,3 +38,13 @@ def test_vace_example_writes_a_playable_mp4_steered_by_the_control(tmp_path, cap
     printed = capsys.readouterr().out
     assert "chunks (latent frames): [3, 2]" in printed
     assert "'main' cache:" in printed and "'vace' cache:" in printed
+
+
+def test_train_step_example_gives_the_same_losses_with_gradient_checkpointing(capsys):
+    train_step = _load("train_step")
+    plain = train_step.main(["--latent-frames", "4", "--chunk-frames", "2"])
+    ckpt = train_step.main(["--latent-frames", "4", "--chunk-frames", "2", "--gradient-checkpointing"])
+    assert all(0 < v < float("inf") for v in plain.values())
+    assert ckpt == pytest.approx(plain, rel=1e-5)
+    printed = capsys.readouterr().out
+    assert "teacher forcing: flow-matching loss" in printed and "self forcing: DMD loss" in printed
