@@ -59,6 +59,8 @@ def resolve_transformer(model) -> torch.nn.Module:
 class _ChunkForwards:
     """The transformer forwards of one rollout: per-frame inputs sliced per chunk, one context per forward, CFG."""
 
+    first_frame = 0  # absolute frame index of the rollout's first frame (> 0 when it continues a cache)
+
     def __init__(self, model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
                  condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator):
         self.transformer = transformer = resolve_transformer(model)
@@ -99,7 +101,7 @@ class _ChunkForwards:
             "control_hidden_states": cond["control"], "control_hidden_states_scale": self.control_scale
         }
         timestep = torch.full((self.batch,), float(t), device=x.device, dtype=torch.float32)
-        with CausalContext(self.transformer, start_frame=start, cache_tag=tag, store_kv=store_kv,
+        with CausalContext(self.transformer, start_frame=self.first_frame + start, cache_tag=tag, store_kv=store_kv,
                            cache_engines=self.cache_engines):
             return self.transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=self.prompts[tag],
                                     encoder_hidden_states_image=self.image_embeds, return_dict=False, **extra)[0]
@@ -146,6 +148,7 @@ def causal_rollout(
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     progress: bool = True,
+    continue_cache: bool = False,
 ) -> RolloutOutput:
     """Generate ``noise.shape[2]`` latent frames chunk by chunk with the KV cache.
 
@@ -168,12 +171,19 @@ def causal_rollout(
         cache_engines: engine map for this rollout (one per user session); default ``transformer.kv_cache_engines``.
         generator: random generator for re-noising.
         progress: show a tqdm progress bar over chunks.
+        continue_cache: keep the cache instead of clearing it, and start at the frame the ``"main"`` engine's
+            ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
+            earlier rollout); the per-frame inputs still cover the generated frames only.
     """
     run = _ChunkForwards(model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
                          condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
-    run.clear()
+    if continue_cache:
+        engines = run.cache_engines or getattr(run.transformer, "kv_cache_engines", None) or {}
+        run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
+    else:
+        run.clear()
     sigmas = shifted_sigmas(timesteps, shift) if scheduler is None else None
     outputs, seconds, start = [], [], 0
     for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):

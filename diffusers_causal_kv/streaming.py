@@ -1,0 +1,285 @@
+"""Long and streaming rollouts: prefill the cache from clean latents, and re-cache the window on a prompt switch.
+
+* :func:`prefill` commits given clean latents chunk by chunk (commit passes only, no denoising), so a rollout can
+  continue a real clip.
+* :func:`recache` switches a tag to new conditioning, as LongLive does on a prompt switch: it resets the tag's
+  cross-attention entries and recomputes the self K/V of the frames still in the window under the new prompt
+  (the sink frames first, then the recent ones at their own frame indices), from their clean latents.
+* :class:`StreamingRollout` ties them to :func:`~diffusers_causal_kv.causal_rollout` for an open-ended rollout on a
+  :class:`~diffusers_causal_kv.RollingKVCacheEngine`: it generates chunks as they are asked for, keeps the clean
+  latents of the frames the cache holds (bounded like the cache) and re-caches them when the prompt changes.
+
+A re-cache is several forwards; if one raises, the tag is left partially refilled: call :func:`recache` again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .context import CausalContext
+from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
+from .masks import chunk_schedule
+from .model import clear_caches
+from .rollout import RolloutOutput, causal_rollout, resolve_transformer
+
+
+def _engines(transformer: torch.nn.Module, cache_engines: dict | None) -> dict[str, BaseKVCacheEngine]:
+    engines = cache_engines if cache_engines is not None else getattr(transformer, "kv_cache_engines", None)
+    return engines or {}
+
+
+@torch.no_grad()
+def prefill(
+    model,
+    latents: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    *,
+    cache_tag: str = "pos",
+    start_frame: int | None = None,
+    chunk_frames: int | Sequence[int] = 3,
+    context_noise: float = 0.0,
+    image_embeds: torch.Tensor | None = None,
+    condition_latents: torch.Tensor | None = None,
+    control_latents: torch.Tensor | None = None,
+    control_scale: torch.Tensor | None = None,
+    cache_engines: dict | None = None,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Commit clean ``latents`` (``[batch, channels, frames, height, width]``) to ``cache_tag``, chunk by chunk.
+
+    Args:
+        start_frame: absolute frame index of the first latent frame. ``None`` continues the tag where it is; a
+            later frame skips the frames in between (:meth:`RollingKVCacheEngine.skip_to`; rolling engines only).
+        chunk_frames: chunk size of the commit passes (remainder absorbed by the first chunk) or a list of sizes.
+        context_noise: noise level (timestep units) at which the frames are committed, as in ``causal_rollout``.
+        image_embeds / condition_latents / control_latents / control_scale: the per-forward and per-frame inputs of
+            Wan2.1 I2V and VACE (the per-frame ones cover the same frames as ``latents``).
+        cache_engines: engine map to write; default ``transformer.kv_cache_engines``.
+
+    Returns:
+        The tag's next frame (the ``start_frame`` of the chunk that continues the clip).
+    """
+    transformer = resolve_transformer(model)
+    engines = _engines(transformer, cache_engines)
+    cached = engines["main"].next_frame(cache_tag) if "main" in engines else 0
+    start = cached if start_frame is None else start_frame
+    if start != cached:
+        can_skip = bool(engines) and all(isinstance(e, RollingKVCacheEngine) for e in engines.values())
+        if start < cached or not can_skip:
+            raise ValueError(
+                f"prefill(start_frame={start}) on cache tag {cache_tag!r}, which continues at frame {cached}: pass "
+                f"start_frame={cached} (or None), crop the cache first, or skip forward on a RollingKVCacheEngine."
+            )
+        for engine in engines.values():
+            engine.skip_to(start, cache_tag)
+    batch, num_frames = latents.shape[0], latents.shape[2]
+    per_frame = {"condition": condition_latents, "control": control_latents}
+    for name, frames in per_frame.items():
+        if frames is not None and frames.shape[2] != num_frames:
+            raise ValueError(f"{name}_latents has {frames.shape[2]} frames but latents have {num_frames}.")
+    offset = 0
+    for size in chunk_schedule(num_frames, chunk_frames):
+        x = latents[:, :, offset:offset + size]
+        if context_noise > 0:
+            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+            x = (1 - context_noise / 1000) * x + context_noise / 1000 * noise
+        cond = {k: None if v is None else v[:, :, offset:offset + size] for k, v in per_frame.items()}
+        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
+        extra = {} if cond["control"] is None else {
+            "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
+        }
+        timestep = torch.full((batch,), float(context_noise), device=x.device, dtype=torch.float32)
+        with CausalContext(transformer, start_frame=start + offset, cache_tag=cache_tag, store_kv=True,
+                           cache_engines=cache_engines):
+            transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                        encoder_hidden_states_image=image_embeds, return_dict=False, **extra)
+        offset += size
+    return start + num_frames
+
+
+@torch.no_grad()
+def recache(
+    model,
+    window: Sequence[tuple[int, torch.Tensor]],
+    prompt_embeds: torch.Tensor,
+    *,
+    cache_tag: str = "pos",
+    chunk_frames: int = 3,
+    context_noise: float = 0.0,
+    image_embeds: torch.Tensor | None = None,
+    cache_engines: dict | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Re-cache ``cache_tag`` under new conditioning: clear the tag (its cross entries included) and prefill the
+    frames it still holds, from their clean latents, with ``prompt_embeds``. The tag then continues at the frame it
+    continued at before.
+
+    Args:
+        window: ``(start_frame, clean latents)`` for each range of :meth:`RollingKVCacheEngine.held_frames`
+            (the sink frames, then the recent ones), as :meth:`StreamingRollout.window` gives them.
+        chunk_frames: the most frames per commit pass; each range is split into such chunks with the remainder
+            as a chunk of its own at the start (:func:`recache_schedule`), so every chunk fits the window.
+        Other arguments as in :func:`prefill`.
+    """
+    transformer = resolve_transformer(model)
+    engines = _engines(transformer, cache_engines)
+    if not engines or not all(isinstance(e, RollingKVCacheEngine) for e in engines.values()):
+        raise TypeError(
+            "recache() refills the window of a RollingKVCacheEngine; put one on every branch of "
+            "transformer.kv_cache_engines (or cache_engines) before the rollout."
+        )
+    main = engines["main"]
+    held = main.held_frames(cache_tag)
+    given = [range(start, start + latents.shape[2]) for start, latents in window]
+    if given != held:
+        raise ValueError(
+            f"cache tag {cache_tag!r} holds frames {_ranges(held)} but the window latents cover {_ranges(given)}; "
+            "pass the clean latents of exactly the held frames (StreamingRollout.window keeps them)."
+        )
+    resume = main.next_frame(cache_tag)
+    for engine in engines.values():
+        engine.clear(cache_tag)
+    for start, latents in window:
+        prefill(transformer, latents, prompt_embeds, cache_tag=cache_tag, start_frame=start,
+                chunk_frames=recache_schedule(latents.shape[2], chunk_frames), context_noise=context_noise,
+                image_embeds=image_embeds, cache_engines=cache_engines, generator=generator)
+    if main.next_frame(cache_tag) != resume:  # nothing recent held: continue where the rollout was
+        for engine in engines.values():
+            engine.skip_to(resume, cache_tag)
+
+
+def recache_schedule(num_frames: int, chunk_frames: int) -> list[int]:
+    """Chunks of at most ``chunk_frames`` frames over ``num_frames``, the remainder first (7 in chunks of 3:
+    ``[1, 3, 3]``): unlike :func:`~diffusers_causal_kv.chunk_schedule`, no chunk outgrows ``chunk_frames``, which
+    a window with sink frames may need."""
+    sizes = chunk_schedule(num_frames, chunk_frames)
+    if sizes[0] > chunk_frames:
+        sizes = [sizes[0] - chunk_frames, chunk_frames, *sizes[1:]]
+    return sizes
+
+
+def _ranges(ranges: Sequence[range]) -> str:
+    return "[" + ", ".join(f"{r.start}..{r.stop - 1}" for r in ranges) + "]" if ranges else "[]"
+
+
+class StreamingRollout:
+    """An open-ended causal rollout: generate chunks on demand, prefill from a clip, switch prompts.
+
+    Put a :class:`~diffusers_causal_kv.RollingKVCacheEngine` on ``transformer.kv_cache_engines`` (or pass
+    ``cache_engines``) for bounded memory; the rollout keeps the clean latents of the frames the cache holds, so a
+    :meth:`switch_prompt` can re-cache them. Text-conditioned transformers only (no per-frame I2V/VACE inputs; use
+    :func:`prefill` and :func:`~diffusers_causal_kv.causal_rollout` for those).
+
+    Args:
+        model: a Wan transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
+        prompt_embeds / negative_prompt_embeds / guidance_scale: the conditioning, with CFG through tags
+            ``"pos"``/``"neg"`` when ``guidance_scale != 1``.
+        chunk_frames, timesteps, shift, context_noise, generator: as in :func:`~diffusers_causal_kv.causal_rollout`.
+        cache_engines: engine map of this rollout; default ``transformer.kv_cache_engines``.
+
+    The caches are cleared when the rollout is created.
+    """
+
+    def __init__(
+        self,
+        model,
+        prompt_embeds: torch.Tensor,
+        *,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        guidance_scale: float = 1.0,
+        chunk_frames: int = 3,
+        timesteps: Sequence[float] = (1000, 750, 500, 250),
+        shift: float = 5.0,
+        context_noise: float = 0.0,
+        cache_engines: dict | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.transformer = resolve_transformer(model)
+        if getattr(self.transformer, "vace_blocks", None) is not None or self.transformer.config.image_dim:
+            raise NotImplementedError(
+                "StreamingRollout takes text conditioning only; for Wan2.1 I2V or VACE (per-frame inputs) use "
+                "prefill() and causal_rollout() with the per-frame latents."
+            )
+        if guidance_scale != 1.0 and negative_prompt_embeds is None:
+            raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
+        self.prompts = {"pos": prompt_embeds}
+        if guidance_scale != 1.0:
+            self.prompts["neg"] = negative_prompt_embeds
+        self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
+        self.timesteps, self.shift = timesteps, shift
+        self.context_noise, self.cache_engines, self.generator = context_noise, cache_engines, generator
+        self._window: list[tuple[int, torch.Tensor]] = []
+        if cache_engines is None:
+            clear_caches(self.transformer)
+        else:
+            for engine in cache_engines.values():
+                engine.clear()
+
+    @property
+    def engine(self) -> BaseKVCacheEngine | None:
+        """The engine of the ``"main"`` branch (``None`` before the first forward created it)."""
+        return _engines(self.transformer, self.cache_engines).get("main")
+
+    @property
+    def next_frame(self) -> int:
+        """The absolute latent frame the next chunk starts at."""
+        return 0 if self.engine is None else self.engine.next_frame("pos")
+
+    def window(self) -> list[tuple[int, torch.Tensor]]:
+        """``(start_frame, clean latents)`` of each range of frames the cache holds (sink, then recent frames)."""
+        return list(self._window)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the engines and by the clean latents kept for re-caching."""
+        engines = _engines(self.transformer, self.cache_engines).values()
+        return sum(e.memory_bytes() for e in engines) + sum(t.nbytes for _, t in self._window)
+
+    def prefill(self, latents: torch.Tensor) -> None:
+        """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating."""
+        start = self.next_frame
+        for tag, prompt in self.prompts.items():
+            prefill(self.transformer, latents, prompt, cache_tag=tag, chunk_frames=self.chunk_frames,
+                    context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
+        self._remember(start, latents)
+
+    def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
+        """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
+        start = self.next_frame
+        result = causal_rollout(
+            self.transformer, noise, self.prompts["pos"], negative_prompt_embeds=self.prompts.get("neg"),
+            guidance_scale=self.guidance_scale, chunk_frames=self.chunk_frames, timesteps=self.timesteps,
+            shift=self.shift, context_noise=self.context_noise, cache_engines=self.cache_engines,
+            generator=self.generator, progress=progress, continue_cache=True,
+        )
+        self._remember(start, result.latents)
+        return result
+
+    def switch_prompt(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None) -> None:
+        """Use new conditioning from the next chunk on, re-caching the window under it (:func:`recache`): the
+        ``"pos"`` tag, and the ``"neg"`` tag too when CFG runs and a new negative prompt is given."""
+        new = {"pos": prompt_embeds}
+        if negative_prompt_embeds is not None and "neg" in self.prompts:
+            new["neg"] = negative_prompt_embeds
+        for tag, prompt in new.items():
+            recache(self.transformer, self._window, prompt, cache_tag=tag, chunk_frames=self.chunk_frames,
+                    context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
+            self.prompts[tag] = prompt
+
+    def _remember(self, start: int, latents: torch.Tensor) -> None:
+        """Add clean latents of frames ``start...`` and drop those of frames the cache no longer holds."""
+        pieces = [*self._window, (start, latents)]
+        engine = self.engine
+        held = engine.held_frames("pos") if isinstance(engine, RollingKVCacheEngine) else [range(self.next_frame)]
+        window = []
+        for r in held:
+            parts = [t[:, :, max(r.start, s) - s:min(r.stop, s + t.shape[2]) - s]
+                     for s, t in pieces if s < r.stop and r.start < s + t.shape[2]]
+            if sum(t.shape[2] for t in parts) != len(r):
+                raise RuntimeError(
+                    f"the cache holds frames {_ranges([r])} but this StreamingRollout did not commit all of them; "
+                    "commit frames through its prefill() and generate() only."
+                )
+            window.append((r.start, torch.cat(parts, dim=2)))  # a copy: the dropped frames' memory is released
+        self._window = window

@@ -1,0 +1,211 @@
+"""Prefill and re-cache on a rolling engine: against full-sequence stock forwards with the matching masks, and
+recache against clearing the tag and prefilling the same frames; StreamingRollout end to end."""
+
+import pytest
+import torch
+from helpers import cache_snapshot, conditioning, forward, masked_full_forward, tiny_wan, window_mask
+
+from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, VanillaKVCacheEngine
+from diffusers_causal_kv.streaming import StreamingRollout, prefill, recache, recache_schedule
+
+H = W = 4
+FRAME_TOKENS = 4
+
+
+def _install(model, engine):
+    model.kv_cache_engines = {"main": engine}
+    model.set_attn_processor(CausalWanAttnProcessor())
+    return engine
+
+
+def _clip(frames, batch=1, seed=0):
+    return torch.randn(batch, 16, frames, H, W, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_chunk(model, frames, chunks, text, x, t, window, sink, hidden=()):
+    """Stock forward over ``[frames | x]`` with the window mask of ``chunks`` (x the last chunk) at timestep 0 for
+    the committed frames; the frames in ``hidden`` are seen by nobody but themselves (evicted frames)."""
+    mask = window_mask(chunks, FRAME_TOKENS, window, sink)
+    tokens = torch.arange(mask.shape[0]) // FRAME_TOKENS
+    gone = torch.isin(tokens, torch.tensor(list(hidden), dtype=torch.long))
+    mask = (mask & ~gone[None, :]) | (gone[:, None] & (tokens[:, None] == tokens[None, :]))
+    committed = frames.shape[2]
+    per_token = torch.cat([torch.zeros(1, committed * FRAME_TOKENS), t[:, None].expand(-1, x.shape[2] * FRAME_TOKENS)],
+                          dim=1)
+    with torch.no_grad():
+        out = masked_full_forward(model, torch.cat([frames, x], dim=2), per_token, text, None, mask)
+    return out[:, :, committed:]
+
+
+def test_recache_schedule():
+    assert recache_schedule(7, 3) == [1, 3, 3]
+    assert recache_schedule(6, 3) == [3, 3]
+    assert recache_schedule(2, 3) == [2]
+    assert recache_schedule(5, 2) == [1, 2, 2]
+
+
+@pytest.mark.parametrize("engine", ["rolling", "vanilla"])
+def test_prefill_continues_a_clip(engine):
+    model = tiny_wan()
+    window, sink = (5, 1) if engine == "rolling" else (64, 0)
+    _install(model, RollingKVCacheEngine(window, sink) if engine == "rolling" else VanillaKVCacheEngine())
+    text, _ = conditioning(model, batch=1)
+    clip = _clip(7)
+    assert prefill(model, clip, text, chunk_frames=2) == 7  # chunks [3, 2, 2]
+    x, t = _clip(2, seed=1), torch.full((1,), 600.0)
+    out = forward(model, x, t, text, start_frame=7)
+    ref = _reference_chunk(model, clip, [3, 2, 2, 2], text, x, t, window, sink)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_prefill_errors_leave_the_cache_unchanged():
+    model = tiny_wan()
+    _install(model, VanillaKVCacheEngine())
+    text, _ = conditioning(model, batch=1)
+    prefill(model, _clip(2), text)
+    before = cache_snapshot(model)
+    with pytest.raises(ValueError, match=r"prefill\(start_frame=1\).*continues at frame 2"):
+        prefill(model, _clip(2), text, start_frame=1)
+    with pytest.raises(ValueError, match=r"prefill\(start_frame=5\).*skip forward on a RollingKVCacheEngine"):
+        prefill(model, _clip(2), text, start_frame=5)
+    assert cache_snapshot(model).keys() == before.keys()
+    assert model.kv_cache_engines["main"].num_frames("pos") == 2
+
+
+def _prefilled(positions, window=5, sink=1, frames=9, chunk=2, seed=0):
+    model = tiny_wan(seed=seed)
+    engine = _install(model, RollingKVCacheEngine(window, sink, positions=positions))
+    text, _ = conditioning(model, batch=1)
+    clip = _clip(frames)
+    prefill(model, clip, text, chunk_frames=chunk)
+    window_latents = [(r.start, clip[:, :, r.start:r.stop]) for r in engine.held_frames("pos")]
+    return model, engine, window_latents
+
+
+def _assert_close_caches(a, b, atol=1e-6):
+    (meta_a, bytes_a, tensors_a), (meta_b, bytes_b, tensors_b) = a["main"], b["main"]
+    assert meta_a == meta_b and bytes_a == bytes_b and len(tensors_a) == len(tensors_b)
+    for x, y in zip(tensors_a, tensors_b):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "relative"])
+@pytest.mark.parametrize("sink", [0, 1], ids=["no-sink", "sink1"])
+def test_recache_equals_clearing_and_prefilling_with_the_new_prompt(positions, sink):
+    model, engine, window = _prefilled(positions, sink=sink)
+    held = engine.held_frames("pos")
+    assert held == ([range(0, 1)] if sink else []) + [range(5 + sink, 9)]
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    before = cache_snapshot(model)
+    recache(model, window, new_text, chunk_frames=2)
+    after = cache_snapshot(model)
+    assert engine.held_frames("pos") == held and engine.next_frame("pos") == 9
+
+    engine.clear("pos")
+    for start, latents in window:
+        prefill(model, latents, new_text, start_frame=start, chunk_frames=recache_schedule(latents.shape[2], 2))
+    _assert_close_caches(after, cache_snapshot(model))
+    # The new prompt changed the K/V (the cross entries and the recomputed self entries).
+    assert not all(torch.allclose(x, y) for x, y in zip(before["main"][2], after["main"][2]))
+
+
+def test_next_chunk_after_recache_matches_a_full_forward():
+    """After the switch the window holds the sink and the recent frames recomputed under the new prompt at their
+    own positions; the evicted frames in between are seen by nobody."""
+    model, engine, window = _prefilled("absolute")  # window 5, sink 1: holds frames 0 and 6..8
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    recache(model, window, new_text, chunk_frames=2)
+    x, t = _clip(2, seed=3), torch.full((1,), 500.0)
+    out = forward(model, x, t, new_text, start_frame=9)
+    clip = _clip(9)
+    filler = clip.clone()  # the evicted frames' values do not matter: nobody attends to them
+    filler[:, :, 1:6] = 0
+    # Re-cache chunks: the sink [1], then the recent frames [1, 2] (recache_schedule(3, 2)); then the new chunk.
+    ref = _reference_chunk(model, filler, [1, 5, 1, 2, 2], new_text, x, t, window=5, sink=1, hidden=range(1, 6))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def test_recache_errors():
+    model, engine, window = _prefilled("absolute")
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    before = cache_snapshot(model)
+    with pytest.raises(ValueError, match=r"holds frames \[0..0, 6..8\] but the window latents cover \[0..0, 5..8\]"):
+        recache(model, [window[0], (5, _clip(4))], new_text)
+    _assert_close_caches(before, cache_snapshot(model), atol=0)
+    vanilla = tiny_wan()
+    _install(vanilla, VanillaKVCacheEngine())
+    prefill(vanilla, _clip(2), new_text)
+    with pytest.raises(TypeError, match="refills the window of a RollingKVCacheEngine"):
+        recache(vanilla, [(0, _clip(2))], new_text)
+
+
+def test_streaming_rollout_errors():
+    from helpers import tiny_vace
+
+    with pytest.raises(NotImplementedError, match="text conditioning only"):
+        StreamingRollout(tiny_vace(), torch.zeros(1, 12, 32))
+    with pytest.raises(ValueError, match="needs negative_prompt_embeds"):
+        StreamingRollout(tiny_wan(), torch.zeros(1, 12, 32), guidance_scale=3.0)
+
+
+def test_streaming_rollout_continues_a_prefilled_clip():
+    model = tiny_wan()
+    _install(model, RollingKVCacheEngine(5, sink_frames=1))
+    text, _ = conditioning(model, batch=1)
+    clip, noise = _clip(7), _clip(4, seed=2)
+    stream = StreamingRollout(model, text, chunk_frames=2, timesteps=[1000])
+    stream.prefill(clip)  # commit chunks [3, 2, 2]
+    assert stream.next_frame == 7
+    latents = stream.generate(noise).latents
+    assert stream.next_frame == 11
+    # One step at sigma 1 per chunk: x0 = noise - flow, against the window-masked full forward.
+    frames, chunks = clip, [3, 2, 2]
+    for k in range(2):
+        x = noise[:, :, 2 * k:2 * k + 2]
+        flow = _reference_chunk(model, frames, chunks + [2], text, x, torch.full((1,), 1000.0), 5, 1)
+        torch.testing.assert_close(latents[:, :, 2 * k:2 * k + 2], x - flow, rtol=0, atol=1e-5)
+        frames, chunks = torch.cat([frames, x - flow], dim=2), chunks + [2]
+    held = [range(0, 1), range(8, 11)]
+    assert [(s, t.shape[2]) for s, t in stream.window()] == [(r.start, len(r)) for r in held]
+    assert torch.equal(stream.window()[0][1], clip[:, :, :1]) and torch.equal(stream.window()[1][1], latents[:, :, 1:])
+
+
+def test_streaming_rollout_switches_prompts_with_flat_memory():
+    model = tiny_wan(rope_max_seq_len=6)
+    engine = _install(model, RollingKVCacheEngine(4, sink_frames=1, positions="relative"))
+    text, _ = conditioning(model, batch=1)
+    negative, _ = conditioning(model, batch=1, seed=4)
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    stream = StreamingRollout(model, text, negative_prompt_embeds=negative, guidance_scale=2.0, chunk_frames=1,
+                              timesteps=[1000], generator=torch.Generator().manual_seed(0))
+    memory, engine_memory = [], []
+    for i in range(12):  # twice past the 6-position RoPE table
+        if i == 6:
+            stream.switch_prompt(new_text)
+        latents = stream.generate(_clip(1, seed=10 + i)).latents
+        assert torch.isfinite(latents).all()
+        memory.append(stream.memory_bytes())
+        engine_memory.append(engine.memory_bytes())
+    assert stream.next_frame == 12 and engine.num_frames("neg") == 12
+    assert len(set(engine_memory)) == 1 and len(set(memory[2:])) == 1  # the kept latents fill with the window
+    assert engine.held_frames("pos") == [range(0, 1), range(10, 12)]
+    # The switch re-cached "pos" under the new prompt; "neg" kept its own.
+    with pytest.raises(ValueError, match="cross-attention K/V built from other conditioning"):
+        forward(model, _clip(1), torch.zeros(1), text, start_frame=12, cache_tag="pos")
+    forward(model, _clip(1), torch.zeros(1), negative, start_frame=12, cache_tag="neg")
+
+
+def test_continue_cache_on_an_empty_cache_equals_a_fresh_rollout():
+    from diffusers_causal_kv import causal_rollout
+
+    model = tiny_wan()
+    _install(model, RollingKVCacheEngine(4))
+    text, _ = conditioning(model, batch=1)
+    noise = _clip(6)
+    fresh = causal_rollout(model, noise, text, chunk_frames=2, timesteps=[1000, 500],
+                           generator=torch.Generator().manual_seed(1), progress=False).latents
+    stream = StreamingRollout(model, text, chunk_frames=2, timesteps=[1000, 500],
+                              generator=torch.Generator().manual_seed(1))
+    first = stream.generate(noise[:, :, :2]).latents
+    rest = stream.generate(noise[:, :, 2:]).latents
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), fresh, rtol=0, atol=1e-6)
