@@ -93,7 +93,8 @@ def _assert_close_relative(actual, expected, rel=1e-4):
         assert (a - e).abs().max() / scale < rel
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("checkpointing", [None, "before", "after"],
+                         ids=["plain", "checkpointing-enabled-before-install", "checkpointing-enabled-after-install"])
 def test_self_forcing_gradients_equal_detached_prefix_reference(make_engine, checkpointing):
     model = tiny_wan(layers=3).train()
     text, _ = conditioning(model)
@@ -101,8 +102,10 @@ def test_self_forcing_gradients_equal_detached_prefix_reference(make_engine, che
     expected_latents = _reference_rollout(model, noise, text, torch.Generator().manual_seed(9))
     expected = _grads(model, expected_latents)
 
+    if checkpointing == "before":
+        model.enable_gradient_checkpointing()
     model.set_attn_processor(CausalWanAttnProcessor())
-    if checkpointing:
+    if checkpointing == "after":
         model.enable_gradient_checkpointing()
     result = self_forcing_rollout(model, noise, text, exit_step=EXITS, chunk_frames=CHUNKS, timesteps=TIMESTEPS,
                                   generator=torch.Generator().manual_seed(9))
