@@ -217,6 +217,10 @@ class ForwardPass:
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedKV]] = field(default_factory=dict, repr=False)
     _prefixes: dict[tuple[int, int], tuple | None] = field(default_factory=dict, repr=False)
     _fingerprint: tuple | None = field(default=None, repr=False)
+    weights_state: Callable[[], tuple] = field(default=tuple, repr=False)
+    """Returns the state of everything that computes cached K/V (see ``model.projection_state``); compared by
+    the engines against the state a tag was filled with."""
+    _weights: tuple | None = field(default=None, repr=False)
 
     @property
     def start_frame(self) -> int:
@@ -249,6 +253,12 @@ class ForwardPass:
         if self._fingerprint is None:
             self._fingerprint = tuple(_fingerprint(t) for t in self.conditioning)
         return self._fingerprint
+
+    def weights_fingerprint(self) -> tuple:
+        """``weights_state()``, computed once per pass."""
+        if self._weights is None:
+            self._weights = self.weights_state()
+        return self._weights
 
     def commit(self) -> None:
         """Write what this ``store_kv=True`` forward staged into every engine."""

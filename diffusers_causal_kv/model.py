@@ -27,7 +27,7 @@ from .context import ForwardPass, get_current_context, no_running_pass
 from .kv_cache import BaseKVCacheEngine, KVCacheEngine
 from .masks import CausalMask, block_causal_mask, teacher_forcing_mask
 from .positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
-from .processors import WAN_TEXT_CONTEXT_LENGTH, CausalWanAttnProcessor
+from .processors import WAN_TEXT_CONTEXT_LENGTH, CausalWanAttnProcessor, publish_to_compiled_code
 
 HOOK_NAME = "causal_kv"
 
@@ -42,6 +42,41 @@ def branch_blocks(transformer: torch.nn.Module) -> dict[str, torch.nn.ModuleList
 
 def _attention_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
     return [block.attn1, block.attn2]
+
+
+# The submodules of a WanAttention that compute the K/V an engine caches (unfused, fused and I2V image paths).
+_KV_SUBMODULES = ("to_k", "to_v", "norm_k", "to_kv", "to_qkv", "add_k_proj", "add_v_proj", "norm_added_k")
+
+
+def projection_state(transformer: torch.nn.Module) -> tuple:
+    """The state of everything that computes cached K/V, cheap enough to take on every cached forward.
+
+    In-place updates (optimizer steps, ``param.copy_()`` under ``no_grad``) bump a parameter's ``_version``;
+    PEFT LoRA injection swaps the submodule, ``set_adapters`` changes its active adapters and scaling,
+    ``fuse_lora``/``unfuse_lora`` its merged adapters. Writes through ``param.data`` bypass version counters and
+    are not seen.
+    """
+    state = []
+    for blocks in branch_blocks(transformer).values():
+        for block in blocks:
+            for attn in _attention_modules(block):
+                for name in _KV_SUBMODULES:
+                    module = getattr(attn, name, None)
+                    if module is None:
+                        continue
+                    state.append((name, id(module), *_adapter_state(module)))
+                    state.extend((id(param), param._version) for param in module.parameters())
+    return tuple(state)
+
+
+def _adapter_state(module: torch.nn.Module) -> tuple:
+    scaling = getattr(module, "scaling", None)
+    return (
+        tuple(getattr(module, "active_adapters", ()) or ()),
+        tuple(getattr(module, "merged_adapters", ()) or ()),
+        tuple(sorted(scaling.items())) if isinstance(scaling, dict) else (),
+        bool(getattr(module, "disable_adapters", False)),
+    )
 
 
 def _causal_processors_installed(transformer: torch.nn.Module) -> list[bool]:
@@ -167,14 +202,14 @@ class CausalForwardHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         ctx = get_current_context(module)
         if ctx is None:
-            with no_running_pass():
+            with no_running_pass(), publish_to_compiled_code(None):
                 return self.fn_ref.original_forward(*args, **kwargs)
         inputs = self._signature.bind(*args, **kwargs).arguments
         p = build_forward_pass(module, ctx, inputs)
         if p.mask is None:  # mask modes never touch the cache
             for engine in p.engines:
                 engine.check_pass(p)
-        with p.running(), _checkpointing_under(module, p):
+        with p.running(), publish_to_compiled_code(p), _checkpointing_under(module, p):
             output = self.fn_ref.original_forward(*args, **kwargs)
         p.commit()
         return output
@@ -203,8 +238,15 @@ def _checkpointing_under(module: torch.nn.Module, p: ForwardPass):
 def _checkpoint_block(p: ForwardPass, block: torch.nn.Module, *args):
     return torch.utils.checkpoint.checkpoint(
         block.__call__, *args, use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), p.running(recomputing=True)),
+        context_fn=lambda: (contextlib.nullcontext(), _recomputing(p)),
     )
+
+
+@contextlib.contextmanager
+def _recomputing(p: ForwardPass):
+    """Re-publish ``p`` for a checkpoint recomputation, to eager and compiled attention code alike."""
+    with p.running(recomputing=True), publish_to_compiled_code(p):
+        yield
 
 
 def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> ForwardPass:
@@ -249,6 +291,7 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
         conditioning=(text, image),
         positions=positions,
         mask=mask,
+        weights_state=functools.partial(projection_state, transformer),
     )
 
 

@@ -31,8 +31,10 @@ Cross-attention entries (``_cross_kv[block_idx][cache_tag]``, a :class:`CrossEnt
     4. :meth:`clear` zeroes every entry and resets ``is_init``.
 
 Per-tag metadata (:class:`TagInfo`)
-    Batch size, dtype, device, tokens per latent frame, the number of cached frames and a fingerprint of the
-    conditioning the cross entries were built from. :meth:`check_pass` compares an incoming forward against it.
+    Batch size, dtype, device, tokens per latent frame, the number of cached frames, a fingerprint of the
+    conditioning the cross entries were built from and the state of the K/V projection weights the tag was filled
+    with (parameter version counters, LoRA adapter state). :meth:`check_pass` compares an incoming forward against
+    it.
 
 Lifecycle of a forward
     The model-layer hook calls :meth:`check_pass` on every engine before any work (wrong ``start_frame``, batch,
@@ -43,7 +45,8 @@ Lifecycle of a forward
 
 Errors
     ``ValueError`` for inputs that do not continue a tag (``start_frame``, batch size, dtype, device, frame size,
-    conditioning); ``KeyError`` for a module the engine did not register. Each message names the fix.
+    conditioning); ``RuntimeError`` for a tag whose K/V projection weights changed since it was filled (stale);
+    ``KeyError`` for a module the engine did not register. Each message names the fix.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class TagInfo:
     frame_tokens: int
     num_frames: int = 0
     conditioning: tuple | None = field(default=None, repr=False)
+    weights: tuple | None = field(default=None, repr=False)
 
 
 class BaseKVCacheEngine:
@@ -157,7 +161,8 @@ class BaseKVCacheEngine:
         ``cross_like`` gives, per block, tensors whose shapes the cross entries take.
         """
         if cache_tag not in self._tags:
-            self._tags[cache_tag] = TagInfo(info.batch_size, info.dtype, info.device, info.frame_tokens)
+            self._tags[cache_tag] = TagInfo(info.batch_size, info.dtype, info.device, info.frame_tokens,
+                                            weights=info.weights)
         for block_idx in sorted(set(self._module_to_block.values())):
             tags = self._self_kv.setdefault(block_idx, {})
             if cache_tag not in tags:
@@ -250,6 +255,12 @@ class BaseKVCacheEngine:
                 "or image embedding); call clear_caches() before changing the conditioning of a tag, "
                 "or use another cache_tag."
             )
+        if info.weights is not None and info.weights != p.weights_fingerprint():
+            raise RuntimeError(
+                f"the K/V projection weights changed since cache tag {tag!r} was filled (an optimizer step, "
+                "load_lora_adapter/set_adapters/fuse_lora/unfuse_lora, or an in-place weight edit), so its cached "
+                "K/V are stale; call clear_caches() after changing weights and roll out again."
+            )
 
     def self_attention_qkv(self, block_idx: int, p: ForwardPass, query, key, value, rotary_emb):
         """The one call between processor and engine: what self-attention attends with.
@@ -287,7 +298,7 @@ class BaseKVCacheEngine:
         """Write what a ``store_kv=True`` forward staged: one chunk of frames for every block, and the cross
         entries if the tag had none yet."""
         tag = p.cache_tag
-        info = TagInfo(p.batch_size, p.dtype, p.device, p.frame_tokens)
+        info = TagInfo(p.batch_size, p.dtype, p.device, p.frame_tokens, weights=p.weights_fingerprint())
         self.ensure_capacity(tag, info, staged.cross_kv)
         for block_idx, (key, value) in staged.self_kv.items():
             self.append_self_kv(block_idx, tag, key, value)
