@@ -22,6 +22,9 @@ Attention itself goes through ``dispatch_attention_fn`` with this processor's ``
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from diffusers.models.attention_dispatch import (
     AttentionBackendName,
@@ -58,7 +61,7 @@ class CausalWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        p = running_pass()
+        p = compiled_pass() if torch.compiler.is_compiling() else running_pass()
         if p is None:
             # Run the stock processor's code with this processor's backend settings: bitwise stock outputs.
             return WanAttnProcessor.__call__(
@@ -115,6 +118,27 @@ class CausalWanAttnProcessor:
             query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         )
         return out.flatten(2, 3).type_as(query)
+
+
+# Dynamo cannot trace ContextVar.get, so code compiled with torch.compile (e.g. compile_repeated_blocks) reads the
+# running pass from this thread-local mirror, which the model-layer hook keeps equal to running_pass() for the
+# duration of each transformer forward (outside the compiled region).
+_COMPILED_PASS = threading.local()
+
+
+@contextlib.contextmanager
+def publish_to_compiled_code(p):
+    """Make ``p`` (or ``None``: stock attention) the pass compiled attention code sees, for the enclosed code."""
+    previous = getattr(_COMPILED_PASS, "value", None)
+    _COMPILED_PASS.value = p
+    try:
+        yield
+    finally:
+        _COMPILED_PASS.value = previous
+
+
+def compiled_pass():
+    return getattr(_COMPILED_PASS, "value", None)
 
 
 def _heads(attn: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
