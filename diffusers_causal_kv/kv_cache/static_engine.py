@@ -56,10 +56,8 @@ class StaticBuffers:
 
 @dataclass
 class PassViews:
-    """One block's views for the pass in flight: where the chunk is written and what is attended over."""
+    """One block's views for the pass in flight, ``[:, :len + chunk]`` of its buffers: the chunk goes at the end."""
 
-    new_keys: torch.Tensor
-    new_values: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
 
@@ -93,10 +91,8 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             entry = tags.get(p.cache_tag)
             if entry is None or entry.keys is None:
                 return
-            start, end = entry.len, entry.len + chunk_tokens
-            views[block_idx] = PassViews(
-                entry.keys[:, start:end], entry.values[:, start:end], entry.keys[:, :end], entry.values[:, :end]
-            )
+            end = entry.len + chunk_tokens
+            views[block_idx] = PassViews(entry.keys[:, :end], entry.values[:, :end])
         if views:
             self._pass_views[p.cache_tag] = views
 
@@ -107,10 +103,12 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         if views is None:
             return super().attention_kv(block_idx, p, key, value)
         view = views[block_idx]
-        view.new_keys.copy_(key)
-        view.new_values.copy_(value)
+        # Sliced from the end of the one view, so compiled code sees one input per buffer and no Python offsets.
+        new_keys, new_values = view.keys[:, -key.shape[1]:], view.values[:, -key.shape[1]:]
+        new_keys.copy_(key)
+        new_values.copy_(value)
         if p.store_kv and not p.recomputing:
-            p.staged_for(self).self_kv[block_idx] = (view.new_keys, view.new_values)
+            p.staged_for(self).self_kv[block_idx] = (new_keys, new_values)
         return view.keys, view.values
 
     def clear(self) -> None:
