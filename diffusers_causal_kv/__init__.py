@@ -12,6 +12,7 @@ from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcin
 from .model import clear_caches, uninstall_causal_kv
 from .processors import CausalWanAttnProcessor
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
+from .streaming import StreamingRollout, prefill, recache
 
 __all__ = [
     "BaseKVCacheEngine",
@@ -22,12 +23,15 @@ __all__ = [
     "RollingKVCacheEngine",
     "RolloutOutput",
     "StaticKVCacheEngine",
+    "StreamingRollout",
     "VanillaKVCacheEngine",
     "block_causal_mask",
     "causal_rollout",
     "chunk_schedule",
     "clear_caches",
     "get_current_context",
+    "prefill",
+    "recache",
     "self_forcing_rollout",
     "teacher_forcing_mask",
     "uninstall_causal_kv",

@@ -48,3 +48,16 @@ def test_train_step_example_gives_the_same_losses_with_gradient_checkpointing(ca
     assert ckpt == pytest.approx(plain, rel=1e-5)
     printed = capsys.readouterr().out
     assert "teacher forcing: flow-matching loss" in printed and "self forcing: DMD loss" in printed
+
+
+def test_long_rollout_example_keeps_memory_flat_across_a_prompt_switch(tmp_path, capsys):
+    output = tmp_path / "long.mp4"
+    _load("long_rollout").main(["--output", str(output), "--num-chunks", "34", "--switch-at", "17",
+                                "--memory-every", "17", "--window-frames", "4", "--timesteps", "1000"])
+    frames = iio.imread(output)
+    assert frames.shape == (4 * 34 - 3, 32, 32, 3)  # 34 latent frames, past the 32-position RoPE table
+    assert frames.std() > 1
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if "memory_bytes()=" in line]
+    assert len(lines) == 2 and len({line.split("memory_bytes()=")[1].split()[0] for line in lines}) == 1
+    assert "switched prompt" in printed and "cache memory over 34 chunks: flat" in printed

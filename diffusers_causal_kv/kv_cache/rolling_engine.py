@@ -111,8 +111,9 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         self._rotary: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
-        head = f"RollingKVCacheEngine(window_frames={self.window_frames}, sink_frames={self.sink_frames}, "
-        return head + f"positions={self.positions!r}) " + super().__repr__()
+        state = super().__repr__().split("(", 1)[1]
+        return (f"{type(self).__name__}(window_frames={self.window_frames}, sink_frames={self.sink_frames}, "
+                f"positions={self.positions!r}, {state}")
 
     # ------------------------------------------------------------------ state queries
     def num_frames(self, cache_tag: str) -> int:
