@@ -558,7 +558,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--device cuda but torch.cuda.is_available() is False.")
 
     measured, causal, stock, (noise, text) = measure_rollouts(preset, args.device, dtype, preset.repeats)
-    overhead = measure_processor_overhead(causal, stock, noise, text, max(preset.repeats, 3))
+    overhead = measure_processor_overhead(causal, stock, noise, text, max(4 * preset.repeats, 10))
     flops = rollout_flops(preset)
     seconds = measured["seconds"]
     report = {
