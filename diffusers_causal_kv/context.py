@@ -191,6 +191,8 @@ class StagedKV:
 
     self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cross_kv: dict[int, CrossEntry] = field(default_factory=dict)
+    created_tag: bool = False
+    """Set by ``prepare_commit``: the commit creates the tag (so aborting it forgets the tag)."""
 
 
 @dataclass(eq=False)
@@ -274,6 +276,17 @@ class ForwardPass:
                     "so nothing was committed. A hook that skips blocks (e.g. diffusers' enable_cache) cannot be "
                     "combined with store_kv=True; disable it for commit passes."
                 )
+        # Two phases, so that a failure (out of memory while allocating a new tag's storage) in any engine leaves
+        # every engine as it was: first every engine allocates, then every engine writes.
+        prepared = []
+        try:
+            for engine, staged in self._staged.values():
+                engine.prepare_commit(self, staged)
+                prepared.append((engine, staged))
+        except BaseException:
+            for engine, staged in prepared:
+                engine.abort_commit(self, staged)
+            raise
         for engine, staged in self._staged.values():
             engine.commit(self, staged)
 

@@ -40,8 +40,10 @@ Lifecycle of a forward
     The model-layer hook calls :meth:`check_pass` on every engine before any work (wrong ``start_frame``, batch,
     dtype, device, frame size or conditioning raise here, the cache untouched). During the forward, processors call
     :meth:`self_attention_qkv` and :meth:`read_cross`; what a ``store_kv=True`` forward produces is *staged* on the
-    :class:`~diffusers_causal_kv.context.ForwardPass`, and :meth:`commit` writes it when the forward returned.
-    A forward that raises commits nothing.
+    :class:`~diffusers_causal_kv.context.ForwardPass`, and written when the forward returned, in two phases over
+    all engines of the pass: :meth:`prepare_commit` allocates (undone by :meth:`abort_commit` if any engine fails
+    to), then :meth:`commit` writes into the allocated storage. A forward that raises commits nothing; writes go
+    through :func:`writable`, so storage allocated under ``torch.inference_mode()`` stays writable outside it.
 
 Errors
     ``ValueError`` for inputs that do not continue a tag (``start_frame``, batch size, dtype, device, frame size,
@@ -221,7 +223,8 @@ class BaseKVCacheEngine:
         for tags in self._cross_kv.values():
             for entry in tags.values():
                 for t in entry.tensors():
-                    t.zero_()
+                    with writable(t):
+                        t.zero_()
                 entry.is_init = False
         self._self_kv.clear()
         self._tags.clear()
@@ -294,12 +297,28 @@ class BaseKVCacheEngine:
             return key, value
         return self._self_attend(entry, key, value)
 
-    def commit(self, p: ForwardPass, staged: StagedKV) -> None:
-        """Write what a ``store_kv=True`` forward staged: one chunk of frames for every block, and the cross
-        entries if the tag had none yet."""
-        tag = p.cache_tag
+    def prepare_commit(self, p: ForwardPass, staged: StagedKV) -> None:
+        """First half of a commit: allocate what :meth:`commit` writes into (the only step that may run out of
+        memory). Undone by :meth:`abort_commit` if another engine of the same forward fails to prepare."""
         info = TagInfo(p.batch_size, p.dtype, p.device, p.frame_tokens, weights=p.weights_fingerprint())
-        self.ensure_capacity(tag, info, staged.cross_kv)
+        staged.created_tag = p.cache_tag not in self._tags
+        try:
+            self.ensure_capacity(p.cache_tag, info, staged.cross_kv)
+        except BaseException:
+            self.abort_commit(p, staged)
+            raise
+
+    def abort_commit(self, p: ForwardPass, staged: StagedKV) -> None:
+        """Undo :meth:`prepare_commit`: forget a tag it created (existing tags gained no state from it)."""
+        if staged.created_tag:
+            self._tags.pop(p.cache_tag, None)
+            for tags in (*self._self_kv.values(), *self._cross_kv.values()):
+                tags.pop(p.cache_tag, None)
+
+    def commit(self, p: ForwardPass, staged: StagedKV) -> None:
+        """Second half: write what a ``store_kv=True`` forward staged into storage :meth:`prepare_commit`
+        allocated: one chunk of frames for every block, and the cross entries if the tag had none yet."""
+        tag = p.cache_tag
         for block_idx, (key, value) in staged.self_kv.items():
             self.append_self_kv(block_idx, tag, key, value)
         self._tags[tag].num_frames += p.num_frames
@@ -307,7 +326,8 @@ class BaseKVCacheEngine:
             for block_idx, filled in staged.cross_kv.items():
                 entry = self._cross_kv[block_idx][tag]
                 for dst, src in zip(entry.tensors(), filled.tensors()):
-                    dst.copy_(src)
+                    with writable(dst):
+                        dst.copy_(src)
                 entry.is_init = True
             self._tags[tag].conditioning = p.conditioning_fingerprint()
 
@@ -340,6 +360,12 @@ class BaseKVCacheEngine:
             f"{type(self).__name__}(blocks={self.num_blocks}, tags={{{tags}}}, "
             f"memory={self.memory_bytes() / 2**20:.2f} MiB)"
         )
+
+
+def writable(tensor: torch.Tensor):
+    """In-place writes into cache storage, which may have been allocated under ``torch.inference_mode()`` (a
+    rollout run there) and be written outside it later, or the other way round."""
+    return torch.inference_mode(tensor.is_inference())
 
 
 def _shapes(entry: CrossEntry) -> list[tuple[int, ...]]:
