@@ -171,7 +171,7 @@ def test_streaming_rollout_continues_a_prefilled_clip():
 
 
 def test_streaming_rollout_switches_prompts_with_flat_memory():
-    model = tiny_wan(rope_max_seq_len=6)
+    model = tiny_wan(rope_max_seq_len=4)
     engine = _install(model, RollingKVCacheEngine(4, sink_frames=1, positions="relative"))
     text, _ = conditioning(model, batch=1)
     negative, _ = conditioning(model, batch=1, seed=4)
@@ -179,20 +179,20 @@ def test_streaming_rollout_switches_prompts_with_flat_memory():
     stream = StreamingRollout(model, text, negative_prompt_embeds=negative, guidance_scale=2.0, chunk_frames=1,
                               timesteps=[1000], generator=torch.Generator().manual_seed(0))
     memory, engine_memory = [], []
-    for i in range(12):  # twice past the 6-position RoPE table
-        if i == 6:
+    for i in range(8):  # twice past the 4-position RoPE table
+        if i == 4:
             stream.switch_prompt(new_text)
         latents = stream.generate(_clip(1, seed=10 + i)).latents
         assert torch.isfinite(latents).all()
         memory.append(stream.memory_bytes())
         engine_memory.append(engine.memory_bytes())
-    assert stream.next_frame == 12 and engine.num_frames("neg") == 12
+    assert stream.next_frame == 8 and engine.num_frames("neg") == 8
     assert len(set(engine_memory)) == 1 and len(set(memory[2:])) == 1  # the kept latents fill with the window
-    assert engine.held_frames("pos") == [range(0, 1), range(10, 12)]
+    assert engine.held_frames("pos") == [range(0, 1), range(6, 8)]
     # The switch re-cached "pos" under the new prompt; "neg" kept its own.
     with pytest.raises(ValueError, match="cross-attention K/V built from other conditioning"):
-        forward(model, _clip(1), torch.zeros(1), text, start_frame=12, cache_tag="pos")
-    forward(model, _clip(1), torch.zeros(1), negative, start_frame=12, cache_tag="neg")
+        forward(model, _clip(1), torch.zeros(1), text, start_frame=8, cache_tag="pos")
+    forward(model, _clip(1), torch.zeros(1), negative, start_frame=8, cache_tag="neg")
 
 
 def test_continue_cache_on_an_empty_cache_equals_a_fresh_rollout():
