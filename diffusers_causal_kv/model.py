@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from .context import ForwardPass, get_current_context, no_running_pass
+from .context import ForwardPass, get_current_context, no_running_pass, running_pass
 from .kv_cache import BaseKVCacheEngine, KVCacheEngine
 from .masks import CausalMask, block_causal_mask, teacher_forcing_mask
 from .positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
@@ -188,6 +188,8 @@ def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
         registry = getattr(module, "_diffusers_hook", None)
         if registry is not None and registry.get_hook(name) is not None:
             registry.remove_hook(name, recurse=False)
+    if isinstance(getattr(transformer, "_gradient_checkpointing_func", None), PassAwareCheckpoint):
+        transformer._gradient_checkpointing_func = transformer._gradient_checkpointing_func.inner
     if hasattr(transformer, "kv_cache_engines"):
         del transformer.kv_cache_engines
 
@@ -209,37 +211,42 @@ class CausalForwardHook(ModelHook):
         if p.mask is None:  # mask modes never touch the cache
             for engine in p.engines:
                 engine.check_pass(p)
-        with p.running(), publish_to_compiled_code(p), _checkpointing_under(module, p):
+        _route_checkpointing(module)
+        with p.running(), publish_to_compiled_code(p):
             output = self.fn_ref.original_forward(*args, **kwargs)
         p.commit()
         return output
 
 
-@contextlib.contextmanager
-def _checkpointing_under(module: torch.nn.Module, p: ForwardPass):
-    """Route gradient checkpointing through a recomputation that re-publishes ``p``.
+class PassAwareCheckpoint:
+    """The transformer's ``_gradient_checkpointing_func`` once a forward under a context checkpoints its blocks.
 
     Checkpointed blocks are recomputed during ``backward()``, after the context has exited and maybe after more
-    chunks were committed; ``context_fn`` re-enters the same pass, whose remembered prefixes give the recomputation
-    exactly the K/V the forward saw. diffusers rebuilds ``_gradient_checkpointing_func`` on every
-    ``enable_gradient_checkpointing()``, so it is swapped per forward and restored afterwards.
+    chunks were committed. This checkpoint reads the running pass when the block runs (so concurrent forwards in
+    other threads or sessions each get their own) and its ``context_fn`` re-enters that pass for the
+    recomputation, whose remembered prefixes give exactly the K/V the forward saw. Without a running pass it
+    calls the function it replaced. It is installed once and never swapped back, because diffusers rebuilds the
+    function on every ``enable_gradient_checkpointing()`` call; the hook re-installs it then.
     """
-    if not (torch.is_grad_enabled() and getattr(module, "gradient_checkpointing", False)):
-        yield
-        return
-    saved = module._gradient_checkpointing_func
-    module._gradient_checkpointing_func = functools.partial(_checkpoint_block, p)
-    try:
-        yield
-    finally:
-        module._gradient_checkpointing_func = saved
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, block: torch.nn.Module, *args):
+        p = running_pass()
+        if p is None:
+            return self.inner(block, *args)
+        return torch.utils.checkpoint.checkpoint(
+            block.__call__, *args, use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), _recomputing(p)),
+        )
 
 
-def _checkpoint_block(p: ForwardPass, block: torch.nn.Module, *args):
-    return torch.utils.checkpoint.checkpoint(
-        block.__call__, *args, use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _recomputing(p)),
-    )
+def _route_checkpointing(module: torch.nn.Module) -> None:
+    if getattr(module, "gradient_checkpointing", False) and not isinstance(
+        module._gradient_checkpointing_func, PassAwareCheckpoint
+    ):
+        module._gradient_checkpointing_func = PassAwareCheckpoint(module._gradient_checkpointing_func)
 
 
 @contextlib.contextmanager
