@@ -246,15 +246,14 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         if p.store_kv and not p.recomputing:
             staged = key if self.positions == "relative" else roped_key
             p.staged_for(self).self_kv[block_idx] = (staged.detach(), value.detach())
-        entry = self._self_kv.get(block_idx, {}).get(p.cache_tag)
-        if entry is None:
-            return roped_query, roped_key, value
         if self.positions == "absolute" and not torch.is_grad_enabled():  # one copy: window and chunk together
-            keys, values = self._window_pieces(entry, p.num_frames)
+            keys, values = self._window_pieces(block_idx, p)
             if not keys:
                 return roped_query, roped_key, value
             return roped_query, torch.cat([*keys, roped_key], dim=1), torch.cat([*values, value], dim=1)
-        read = lambda: self._read_window(entry, p, rotary_emb)  # noqa: E731
+        # Grad-enabled passes remember what they read (nothing, for a tag's first chunk), so a checkpoint
+        # recomputation after later commits attends over exactly the same window.
+        read = lambda: self._read_window(block_idx, p, rotary_emb)  # noqa: E731
         prefix = p.remembered_prefix(self, block_idx, read) if torch.is_grad_enabled() else read()
         if prefix is None:
             return roped_query, roped_key, value
@@ -289,17 +288,20 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         parts = [(base + head, base + head + first), (base, base + len(frames) - first)]
         return [slice(a * tokens, b * tokens) for a, b in parts if b > a]
 
-    def _window_pieces(self, entry: RingEntry, num_frames: int):
-        if entry.keys is None:
+    def _window_pieces(self, block_idx: int, p: ForwardPass):
+        """Views of the buffers holding the window of the pass's chunk, in order (empty before the first commit)."""
+        entry = self._self_kv.get(block_idx, {}).get(p.cache_tag)
+        if entry is None or entry.keys is None:
             return [], []
-        slices = [s for frames in self._window(entry, num_frames) for s in self._slices(frames, entry)]
+        slices = [s for frames in self._window(entry, p.num_frames) for s in self._slices(frames, entry)]
         return [entry.keys[:, s] for s in slices], [entry.values[:, s] for s in slices]
 
-    def _read_window(self, entry: RingEntry, p: ForwardPass, rotary_emb):
+    def _read_window(self, block_idx: int, p: ForwardPass, rotary_emb):
         """The chunk's window as fresh tensors; in relative mode its keys rotated to positions ``0, 1, ...``."""
-        keys, values = self._window_pieces(entry, p.num_frames)
+        keys, values = self._window_pieces(block_idx, p)
         if not keys:
             return None
+        entry = self._self_kv[block_idx][p.cache_tag]
         key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
         if self.positions == "relative" and rotary_emb is not None:
             frames = key.shape[1] // entry.frame_tokens
