@@ -57,15 +57,13 @@ def projection_state(transformer: torch.nn.Module) -> tuple:
     are not seen.
     """
     state = []
-    for blocks in branch_blocks(transformer).values():
-        for block in blocks:
-            for attn in _attention_modules(block):
-                for name in _KV_SUBMODULES:
-                    module = getattr(attn, name, None)
-                    if module is None:
-                        continue
-                    state.append((name, id(module), *_adapter_state(module)))
-                    state.extend((id(param), param._version) for param in module.parameters())
+    for attn in _all_attention(transformer):
+        for name in _KV_SUBMODULES:
+            module = getattr(attn, name, None)
+            if module is None:
+                continue
+            state.append((name, id(module), *_adapter_state(module)))
+            state.extend((id(param), param._version) for param in module.parameters())
     return tuple(state)
 
 
@@ -79,13 +77,13 @@ def _adapter_state(module: torch.nn.Module) -> tuple:
     )
 
 
+def _all_attention(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [attn for blocks in branch_blocks(transformer).values() for block in blocks
+            for attn in _attention_modules(block)]
+
+
 def _causal_processors_installed(transformer: torch.nn.Module) -> list[bool]:
-    return [
-        isinstance(attn.processor, CausalWanAttnProcessor)
-        for blocks in branch_blocks(transformer).values()
-        for block in blocks
-        for attn in _attention_modules(block)
-    ]
+    return [isinstance(attn.processor, CausalWanAttnProcessor) for attn in _all_attention(transformer)]
 
 
 def prepare_transformer(
@@ -104,10 +102,28 @@ def prepare_transformer(
             "use CausalWanAttnProcessor, so their blocks would ignore the cache; install it on all of them with "
             "transformer.set_attn_processor(CausalWanAttnProcessor())."
         )
+    if any(getattr(attn.processor, "_parallel_config", None) is not None for attn in _all_attention(transformer)):
+        raise NotImplementedError(
+            "context parallelism (transformer.enable_parallelism) shards the sequence across devices, which the causal "
+            "KV cache does not support yet; disable it for causal rollouts."
+        )
+    if transformer.config.patch_size[0] != 1:
+        raise ValueError(
+            f"patch_size={tuple(transformer.config.patch_size)} patches {transformer.config.patch_size[0]} latent "
+            "frames together; the causal cache counts latent frames one by one and needs a temporal patch size of 1 "
+            "(every Wan checkpoint uses (1, 2, 2))."
+        )
     branches = branch_blocks(transformer)
     defaults = getattr(transformer, "kv_cache_engines", None)
     if defaults is None:
         defaults = transformer.kv_cache_engines = {}
+    if not isinstance(defaults, dict) or not set(defaults) <= set(branches):
+        got = sorted(defaults) if isinstance(defaults, dict) else type(defaults).__name__
+        example = ", ".join(f"{b!r}: KVCacheEngine()" for b in branches)
+        raise ValueError(
+            f"transformer.kv_cache_engines must be a dict from branch names {sorted(branches)} to engines, got "
+            f"{got}; e.g. transformer.kv_cache_engines = {{{example}}}."
+        )
     for branch in branches:
         defaults.setdefault(branch, KVCacheEngine())
     # The transformer's own map is always complete and registered; a per-session map is validated in full first.
@@ -177,13 +193,11 @@ def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
     """Restore the stock ``WanAttnProcessor`` everywhere, remove the hooks and drop ``kv_cache_engines``."""
     if get_current_context(transformer) is not None:
         raise RuntimeError("uninstall_causal_kv() called inside a CausalContext of this transformer; close it first.")
-    for blocks in branch_blocks(transformer).values():
-        for block in blocks:
-            for attn in _attention_modules(block):
-                if isinstance(attn.processor, CausalWanAttnProcessor):
-                    stock = WanAttnProcessor()
-                    stock._attention_backend = attn.processor._attention_backend
-                    attn.set_processor(stock)
+    for attn in _all_attention(transformer):
+        if isinstance(attn.processor, CausalWanAttnProcessor):
+            stock = WanAttnProcessor()
+            stock._attention_backend = attn.processor._attention_backend
+            attn.set_processor(stock)
     for module, name in ((transformer, HOOK_NAME), (transformer.rope, ROPE_HOOK_NAME)):
         registry = getattr(module, "_diffusers_hook", None)
         if registry is not None and registry.get_hook(name) is not None:
@@ -208,9 +222,6 @@ class CausalForwardHook(ModelHook):
                 return self.fn_ref.original_forward(*args, **kwargs)
         inputs = self._signature.bind(*args, **kwargs).arguments
         p = build_forward_pass(module, ctx, inputs)
-        if p.mask is None:  # mask modes never touch the cache
-            for engine in p.engines:
-                engine.check_pass(p)
         _route_checkpointing(module)
         with p.running(), publish_to_compiled_code(p):
             output = self.fn_ref.original_forward(*args, **kwargs)
@@ -257,7 +268,8 @@ def _recomputing(p: ForwardPass):
 
 
 def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> ForwardPass:
-    """Validate a forward's inputs against the model (before any work) and describe it as a ForwardPass."""
+    """Validate a forward's inputs against the model and the engines (before any work) and describe it as a
+    ForwardPass."""
     hidden_states = inputs.get("hidden_states")
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 5:
         raise ValueError(
@@ -277,18 +289,13 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
     is_vace = "vace" in branch_blocks(transformer)
     _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens, per_token=not is_vace)
     mask = None if ctx.mode == "cache" else _sequence_mask(ctx, num_frames, frame_tokens)
-    # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
-    span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
-    first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
-    _check_rope_range(transformer, first, span, grid_h, grid_w)
-    positions = (first + torch.arange(span)).repeat(num_frames // span)
     text = inputs.get("encoder_hidden_states")
     image = inputs.get("encoder_hidden_states_image")
     _check_conditioning(transformer, text, image, batch)
     if is_vace:
         _check_control(transformer, hidden_states, inputs.get("control_hidden_states"),
                        inputs.get("control_hidden_states_scale"))
-    return ForwardPass(
+    p = ForwardPass(
         context=ctx,
         num_frames=num_frames,
         frame_tokens=frame_tokens,
@@ -296,10 +303,19 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
         dtype=hidden_states.dtype,
         device=hidden_states.device,
         conditioning=(text, image),
-        positions=positions,
         mask=mask,
         weights_state=functools.partial(projection_state, transformer),
     )
+    if mask is None:  # mask modes never touch the cache
+        for engine in p.engines:
+            engine.check_pass(p)
+    # Positions last, so that a start_frame that does not continue the cache is reported as that.
+    # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
+    span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
+    first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
+    _check_rope_range(transformer, first, span, grid_h, grid_w)
+    p.positions = (first + torch.arange(span)).repeat(num_frames // span)
+    return p
 
 
 def _sequence_mask(ctx, num_frames: int, frame_tokens: int) -> CausalMask:
@@ -369,25 +385,38 @@ def _check_rope_range(transformer, start_frame: int, num_frames: int, grid_h: in
 
 
 def _check_conditioning(transformer, text, image, batch: int) -> None:
-    if not isinstance(text, torch.Tensor) or text.ndim != 3:
-        raise ValueError("encoder_hidden_states must be a [batch, tokens, text_dim] tensor under a CausalContext.")
+    text_dim = transformer.config.text_dim
+    if not isinstance(text, torch.Tensor) or text.ndim != 3 or text.shape[2] != text_dim:
+        raise ValueError(
+            f"encoder_hidden_states must be a [batch, tokens, {text_dim}] tensor (the text encoder's output) under a "
+            f"CausalContext, got {tuple(getattr(text, 'shape', ())) or type(text).__name__}."
+        )
     if text.shape[0] not in (1, batch):
         raise ValueError(f"encoder_hidden_states has batch {text.shape[0]} but the latents have batch {batch}.")
     is_i2v = transformer.blocks[0].attn2.add_k_proj is not None
-    if is_i2v and image is None:
-        raise ValueError(
-            "this is an image-to-video Wan transformer (added K/V projections): pass encoder_hidden_states_image "
-            "(the image encoder's embeddings) to every forward."
-        )
-    if is_i2v and text.shape[1] != WAN_TEXT_CONTEXT_LENGTH:
-        raise ValueError(
-            f"Wan I2V splits image tokens off assuming {WAN_TEXT_CONTEXT_LENGTH} text tokens, but "
-            f"encoder_hidden_states has {text.shape[1]}; pad the prompt embeddings to {WAN_TEXT_CONTEXT_LENGTH}."
-        )
     if not is_i2v and image is not None:
         raise ValueError(
             "encoder_hidden_states_image was given but this transformer has no image projections (not an I2V "
             "model); drop the image embeddings."
+        )
+    if not is_i2v:
+        return
+    if image is None:
+        raise ValueError(
+            "this is an image-to-video Wan transformer (added K/V projections): pass encoder_hidden_states_image "
+            "(the image encoder's embeddings) to every forward."
+        )
+    image_dim = transformer.config.image_dim
+    if not isinstance(image, torch.Tensor) or image.ndim != 3 or image.shape[0] not in (1, batch) \
+            or image.shape[2] != image_dim:
+        raise ValueError(
+            f"encoder_hidden_states_image must be a [batch, tokens, {image_dim}] tensor (the image encoder's output) "
+            f"with batch {batch} (or 1), got {tuple(getattr(image, 'shape', ())) or type(image).__name__}."
+        )
+    if text.shape[1] != WAN_TEXT_CONTEXT_LENGTH:
+        raise ValueError(
+            f"Wan I2V splits image tokens off assuming {WAN_TEXT_CONTEXT_LENGTH} text tokens, but "
+            f"encoder_hidden_states has {text.shape[1]}; pad the prompt embeddings to {WAN_TEXT_CONTEXT_LENGTH}."
         )
 
 

@@ -114,11 +114,33 @@ class _ChunkForwards:
         neg = self.forward(x, t, start, "neg", False, cond)
         return neg + self.guidance_scale * (pos - neg)
 
+    def predict_x0(self, x, sigma: float, start, cond):
+        """The clean chunk the (guided) flow predicts from ``x`` at noise level ``sigma``."""
+        return x - sigma * self.flow(x, sigma * 1000, start, cond)
+
+    def renoise(self, x0, sigma: float):
+        """``x0`` noised to level ``sigma`` with fresh noise (the flow-matching forward process)."""
+        return (1 - sigma) * x0 + sigma * self.randn_like(x0)
+
+    def check_rope_range(self) -> None:
+        """Fail before any work when the rollout would run past the RoPE table. Engines that re-index positions
+        inside a window (their ``rope_start_frame`` is not the absolute frame) are not bounded by it."""
+        engines = self.cache_engines or getattr(self.transformer, "kv_cache_engines", None) or {}
+        last_start = self.first_frame + sum(self.sizes[:-1])
+        if any(e.rope_start_frame("pos", last_start, self.sizes[-1]) != last_start for e in engines.values()):
+            return
+        end, max_len = self.first_frame + sum(self.sizes), self.transformer.rope.max_seq_len
+        if end > max_len:
+            raise ValueError(
+                f"the rollout covers latent frames {self.first_frame}..{end - 1} but the RoPE table has {max_len} "
+                "positions (rope_max_seq_len); generate fewer frames, use a model with a larger rope_max_seq_len, "
+                "or a RollingKVCacheEngine(..., positions='relative'), which re-indexes positions."
+            )
+
     def commit(self, x, context_noise, start, cond) -> None:
         """Commit a clean chunk on every tag, re-noised to ``context_noise`` (timestep units) when above 0."""
         if context_noise > 0:
-            level = context_noise / 1000
-            x = (1 - level) * x + level * self.randn_like(x)
+            x = self.renoise(x, context_noise / 1000)
         with torch.no_grad():
             for tag in self.prompts:
                 self.forward(x, context_noise, start, tag, True, cond)
@@ -184,16 +206,17 @@ def causal_rollout(
         run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
     else:
         run.clear()
-    sigmas = shifted_sigmas(timesteps, shift) if scheduler is None else None
+    run.check_rope_range()
+    sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None
     outputs, seconds, start = [], [], 0
     for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()
         x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
         if scheduler is None:
-            for i, sigma in enumerate(sigmas.tolist()):
-                x0 = x - sigma * run.flow(x, sigma * 1000, start, cond)
+            for i, sigma in enumerate(sigmas):
+                x0 = run.predict_x0(x, sigma, start, cond)
                 if i + 1 < len(sigmas):
-                    x = (1 - sigmas[i + 1].item()) * x0 + sigmas[i + 1].item() * run.randn_like(x0)
+                    x = run.renoise(x0, sigmas[i + 1])
             x = x0
         else:
             scheduler.set_timesteps(num_inference_steps, device=x.device)
@@ -255,6 +278,7 @@ def self_forcing_rollout(
     exits = _exit_steps(exit_step, len(timesteps), len(run.sizes), generator)
     sigmas = shifted_sigmas(timesteps, shift).tolist()
     run.clear()
+    run.check_rope_range()
     outputs, seconds, start = [], [], 0
     for size, exit_at in zip(tqdm(run.sizes, desc="self-forcing rollout", unit="chunk", disable=not progress),
                              exits):
@@ -262,10 +286,9 @@ def self_forcing_rollout(
         x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
         with torch.no_grad():
             for i in range(exit_at):
-                x0 = x - sigmas[i] * run.flow(x, sigmas[i] * 1000, start, cond)
-                x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * run.randn_like(x0)
+                x = run.renoise(run.predict_x0(x, sigmas[i], start, cond), sigmas[i + 1])
         with torch.set_grad_enabled(torch.is_grad_enabled() and start >= grad_from_frame):
-            x0 = x - sigmas[exit_at] * run.flow(x, sigmas[exit_at] * 1000, start, cond)
+            x0 = run.predict_x0(x, sigmas[exit_at], start, cond)
         run.commit(x0.detach(), context_noise, start, cond)
         seconds.append(time.perf_counter() - began)
         outputs.append(x0)

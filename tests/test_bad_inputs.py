@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_wan
 
-from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor
+from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor, KVCacheEngine
 
 pytestmark = pytest.mark.usefixtures("make_engine")  # run every test on each engine
 
@@ -89,12 +89,34 @@ def test_height_width_not_divisible_by_patch(setup, shape, name):
     _expect_error(setup, rf"latent {name} is not divisible by the patch size 2", torch.randn(*shape), start_frame=2)
 
 
-def test_frames_not_divisible_by_temporal_patch():
+def test_temporal_patch_other_than_one_is_refused():
     model = tiny_wan(patch_size=(2, 2, 2))
     model.set_attn_processor(CausalWanAttnProcessor())
     text, _ = conditioning(model)
-    with pytest.raises(ValueError, match=r"latent frames 3 is not divisible by the patch size 2"):
-        forward(model, torch.randn(2, 16, 3, 4, 4), T, text, start_frame=0)
+    with pytest.raises(ValueError, match=r"needs a temporal patch size of 1"):
+        forward(model, torch.randn(2, 16, 2, 4, 4), T, text, start_frame=0)
+
+
+def test_discontinuous_start_frame_is_reported_before_the_rope_range(setup):
+    # 40 is past the 32-position RoPE table too, but the cause to report is the gap in the cache.
+    _expect_error(setup, "holds 2 frames but start_frame=40; call clear_caches", torch.randn(2, 16, 1, 4, 4),
+                  start_frame=40)
+
+
+def test_engine_map_that_is_not_a_dict():
+    model = tiny_wan()
+    model.set_attn_processor(CausalWanAttnProcessor())
+    model.kv_cache_engines = KVCacheEngine()
+    with pytest.raises(ValueError, match="kv_cache_engines must be a dict from branch names"):
+        CausalContext(model).__enter__()
+
+
+@pytest.mark.parametrize("text_shape, match", [
+    ((2, 12, 7), r"must be a \[batch, tokens, 32\] tensor"),
+    ((3, 12, 32), "has batch 3 but the latents have batch 2"),
+])
+def test_malformed_text_embeddings(setup, text_shape, match):
+    _expect_error(setup, match, torch.randn(2, 16, 1, 4, 4), text=torch.randn(*text_shape), start_frame=2)
 
 
 def test_chunk_beyond_rope_table():
@@ -146,6 +168,10 @@ def test_i2v_conditioning_checks():
         forward(model, x, T, text, None, start_frame=0)
     with pytest.raises(ValueError, match="pad the prompt embeddings to 512"):
         forward(model, x, T, text[:, :100], image, start_frame=0)
+    with pytest.raises(ValueError, match=r"encoder_hidden_states_image must be a \[batch, tokens, 8\] tensor"):
+        forward(model, x, T, text, image[:, :, :4], start_frame=0)
+    with pytest.raises(ValueError, match=r"with batch 2 \(or 1\)"):
+        forward(model, x, T, text, torch.cat([image, image]), start_frame=0)
     t2v = tiny_wan()
     t2v.set_attn_processor(CausalWanAttnProcessor())
     with pytest.raises(ValueError, match="drop the image embeddings"):

@@ -173,3 +173,14 @@ def test_rollout_argument_errors():
 
     with pytest.raises(NotImplementedError, match="two-expert Wan2.2"):
         causal_rollout(TwoExpertPipeline(), noise, text, progress=False)
+
+
+def test_rollout_past_the_rope_table_fails_before_any_work():
+    model = tiny_wan(rope_max_seq_len=4)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    text, _ = conditioning(model, batch=1)
+    calls = []
+    model.patch_embedding.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=r"covers latent frames 0..5 but the RoPE table has 4 positions"):
+        causal_rollout(model, torch.randn(1, 16, 6, 4, 4), text, chunk_frames=2, progress=False)
+    assert calls == []

@@ -65,6 +65,12 @@ def test_other_prompt_for_a_filled_tag(setup):
     _assert_refused(model, text + 1e-3, chunks, match="built from other conditioning", error=ValueError)
 
 
+def test_prompt_tensor_edited_in_place(setup):
+    model, text, chunks = setup
+    text.mul_(1.5)  # the same tensor object, other values
+    _assert_refused(model, text, chunks, match="built from other conditioning", error=ValueError)
+
+
 def test_optimizer_step_on_kv_projections(setup):
     model, text, chunks = setup
     optimizer = torch.optim.SGD([model.blocks[1].attn2.to_k.weight], lr=1e-2)
