@@ -330,3 +330,34 @@ def test_branches_must_agree_on_positions():
     with pytest.raises(ValueError, match=r"different RoPE positions \[2, 3\].*same kind of engine and positions"):
         forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, extra=extra, start_frame=3)
     assert_same_snapshot(before, cache_snapshot(model))
+
+
+def test_failed_first_commit_allocates_nothing_and_keeps_a_skip(monkeypatch):
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(4))
+    text, _ = conditioning(model, batch=1)
+    engine.skip_to(5, "pos")
+
+    def out_of_memory(*args):
+        raise MemoryError("simulated out of memory while allocating the ring buffers")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_allocate", out_of_memory)
+        with pytest.raises(MemoryError, match="simulated"):
+            forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=5, store_kv=True)
+    assert engine.tags() == [] and engine.memory_bytes() == 0 and engine.next_frame("pos") == 5
+    forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=5, store_kv=True)
+    assert engine.held_frames("pos") == [range(5, 6)] and engine.next_frame("pos") == 6
+
+
+def test_inference_mode_rollout_continues_outside_it():
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(3, sink_frames=1))
+    text, _ = conditioning(model, batch=1)
+    with torch.inference_mode():
+        for start in range(3):
+            forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=start, store_kv=True)
+    for start in range(3, 5):  # outside inference mode: evicts (writes into) inference-mode storage
+        forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=start, store_kv=True)
+    engine.clear("pos")
+    assert engine.num_frames("pos") == 0

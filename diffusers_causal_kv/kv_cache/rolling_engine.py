@@ -18,9 +18,12 @@ Self entry payload (:class:`RingEntry`)
     ``keys``/``values``: ``[batch, (W - 1) * frame_tokens, heads, head_dim]`` each, allocated by the tag's first
     commit (when the head shape is first known) and never reallocated: the first ``S`` frames are the sink slots,
     the other ``W - S - 1`` a ring buffer of the most recent frames (a chunk of at least one frame reads at most
-    ``W - S - 1`` of them), frame ``f >= S`` living in ring slot ``(f - S) % (W - S - 1)``. A commit writes its
-    frames over the oldest ones in place, so eviction copies one chunk, never the window. ``frames`` is the number of
-    frames committed to the tag (evicted ones included); ``oldest`` the oldest recent frame still held.
+    ``W - S - 1`` of them), frame ``f >= S`` living in ring slot ``(f - S) % (W - S - 1)``. The buffers are
+    allocated in :meth:`prepare_commit`, the half of a commit that may fail (and then leaves nothing behind). A
+    commit writes its frames over the oldest ones in place (through :func:`~.base.writable`, so storage allocated
+    under ``torch.inference_mode()`` can be written outside it), so eviction copies one chunk, never the window.
+    ``frames`` is the number of frames committed to the tag (evicted ones included); ``oldest`` the oldest recent
+    frame still held.
 
 Reads
     Every pass attends over one fresh tensor, ``torch.cat([sink, recent frames in order, chunk])``; grad-enabled
@@ -60,10 +63,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..positions import apply_rotary_emb
-from .base import BaseKVCacheEngine, CrossEntry, TagInfo
+from .base import BaseKVCacheEngine, CrossEntry, TagInfo, writable
 
 if TYPE_CHECKING:
-    from ..context import ForwardPass
+    from ..context import ForwardPass, StagedKV
 
 POSITIONS = ("absolute", "relative")
 
@@ -148,7 +151,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             entry = tags.get(cache_tag)
             if entry is not None:
                 for t in entry.tensors():
-                    t.zero_()
+                    with writable(t):
+                        t.zero_()
                 entry.is_init = False
         for tags in self._self_kv.values():
             tags.pop(cache_tag, None)
@@ -210,11 +214,25 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     def ensure_capacity(self, cache_tag: str, info: TagInfo, cross_like: dict[int, CrossEntry]) -> None:
         new = cache_tag not in self._tags
         super().ensure_capacity(cache_tag, info, cross_like)
-        start = self._resume_at.pop(cache_tag, 0) if new else 0
+        start = self._resume_at.get(cache_tag, 0) if new else 0  # forgotten at the commit, kept by an abort
         if start:
             self._tags[cache_tag].num_frames = start
             for tags in self._self_kv.values():
                 tags[cache_tag].frames = tags[cache_tag].oldest = start
+
+    def prepare_commit(self, p: ForwardPass, staged: StagedKV) -> None:
+        """Also allocate the ring buffers of a tag's first commit (the head shape is known from now on)."""
+        super().prepare_commit(p, staged)
+        try:
+            for block_idx, (key, value) in staged.self_kv.items():
+                self._allocate(self._self_kv[block_idx][p.cache_tag], key, value)
+        except BaseException:
+            self.abort_commit(p, staged)
+            raise
+
+    def commit(self, p: ForwardPass, staged: StagedKV) -> None:
+        super().commit(p, staged)
+        self._resume_at.pop(p.cache_tag, None)
 
     # ------------------------------------------------------------------ the pass protocol
     def check_pass(self, p: ForwardPass) -> None:
@@ -313,11 +331,14 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     def _self_new_entry(self, info: TagInfo) -> RingEntry:
         return RingEntry(frame_tokens=info.frame_tokens, frames=0, oldest=self.sink_frames)
 
+    def _allocate(self, entry: RingEntry, key: torch.Tensor, value: torch.Tensor) -> None:
+        if entry.keys is None:
+            shape = (key.shape[0], (self.window_frames - 1) * entry.frame_tokens, *key.shape[2:])
+            entry.keys, entry.values = key.new_empty(shape), value.new_empty(shape)
+
     def _self_append(self, entry: RingEntry, key: torch.Tensor, value: torch.Tensor) -> None:
         tokens = entry.frame_tokens
-        if entry.keys is None:
-            shape = (key.shape[0], (self.window_frames - 1) * tokens, *key.shape[2:])
-            entry.keys, entry.values = key.new_empty(shape), value.new_empty(shape)
+        self._allocate(entry, key, value)
         start, stop = entry.frames, entry.frames + key.shape[1] // tokens
         sink = range(start, min(stop, self.sink_frames))
         recent = range(max(start, self.sink_frames, stop - self._ring_frames), stop)
@@ -325,8 +346,9 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             offset = (frames.start - start) * tokens
             for dst in self._slices(frames, entry):
                 width = dst.stop - dst.start
-                entry.keys[:, dst] = key[:, offset:offset + width]
-                entry.values[:, dst] = value[:, offset:offset + width]
+                with writable(entry.keys):
+                    entry.keys[:, dst] = key[:, offset:offset + width]
+                    entry.values[:, dst] = value[:, offset:offset + width]
                 offset += width
         entry.frames = stop
         entry.oldest = max(entry.oldest, stop - self._ring_frames)
