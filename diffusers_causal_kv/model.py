@@ -10,6 +10,16 @@ attention module with the engine of its branch and adds two named diffusers hook
   before any work, builds the :class:`~diffusers_causal_kv.context.ForwardPass`, publishes it to the processors,
   and commits what a ``store_kv=True`` forward staged once the forward returns;
 * ``causal_kv_rope_positions`` on ``transformer.rope`` (:mod:`diffusers_causal_kv.positions`).
+
+Hook order with diffusers' own hooks: a hook registered later wraps the ones registered before it. Ours are
+registered when the first context opens, so they wrap hooks applied earlier and are wrapped by hooks applied later.
+Cache hooks (``transformer.enable_cache(...)``) live on the blocks and attention modules, inside our transformer
+hook, so either order works; denoising forwards run under them with the approximation they imply, but a
+``store_kv=True`` forward is refused before any work while a hook that may skip blocks or attention
+(:data:`BLOCK_SKIPPING_HOOKS`) is registered, because it would commit a partial cache. Group offloading works in
+either order at block level; at leaf level it also hooks ``transformer.rope`` to onload its buffers, and that hook
+must wrap ours (our RoPE hook computes the tables without calling the forward it wraps), so leaf-level offloading
+must be enabled after the first context opened (refused otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +41,14 @@ from .processors import WAN_TEXT_CONTEXT_LENGTH, CausalWanAttnProcessor, publish
 
 HOOK_NAME = "causal_kv"
 
+# diffusers hooks (enable_cache, layer skip) that may return cached or predicted outputs instead of running a block or
+# an attention module: a store_kv=True forward under them would stage K/V for only some blocks.
+BLOCK_SKIPPING_HOOKS = frozenset({
+    "fbc_leader_block_hook", "fbc_block_hook", "mag_cache_leader_block_hook", "mag_cache_block_hook",
+    "sea_cache_leader_block", "sea_cache_block", "pyramid_attention_broadcast", "faster_cache_block",
+    "taylorseer_cache", "layer_skip_hook",
+})
+
 
 def branch_blocks(transformer: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
     """The block lists each engine branch owns."""
@@ -45,7 +63,8 @@ def _attention_modules(block: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 # The submodules of a WanAttention that compute the K/V an engine caches (unfused, fused and I2V image paths).
-_KV_SUBMODULES = ("to_k", "to_v", "norm_k", "to_kv", "to_qkv", "add_k_proj", "add_v_proj", "norm_added_k")
+_KV_SUBMODULES = ("to_k", "to_v", "norm_k", "to_kv", "to_qkv", "add_k_proj", "add_v_proj", "to_added_kv",
+                  "norm_added_k")
 
 
 def projection_state(transformer: torch.nn.Module) -> tuple:
@@ -170,6 +189,16 @@ def _check_engine_map(cache_engines: dict, branches: dict) -> None:
 
 
 def _install_hooks(transformer: torch.nn.Module) -> None:
+    rope_hooks = getattr(getattr(transformer.rope, "_diffusers_hook", None), "hooks", {})
+    if ROPE_HOOK_NAME not in rope_hooks and rope_hooks:
+        # Our RoPE hook computes the tables itself, so registered outside another rope hook (leaf-level group
+        # offloading onloads rope's buffers in one) it would read offloaded buffers.
+        raise RuntimeError(
+            f"transformer.rope already has the diffusers hooks {sorted(rope_hooks)} (e.g. leaf-level group "
+            "offloading), which the causal KV RoPE hook cannot run inside of; open a first CausalContext (it "
+            "installs the plugin's hooks) before transformer.enable_group_offload(...), or use "
+            "offload_type='block_level'."
+        )
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     if registry.get_hook(HOOK_NAME) is None:
         registry.register_hook(CausalForwardHook(), HOOK_NAME)
@@ -220,6 +249,8 @@ class CausalForwardHook(ModelHook):
         if ctx is None:
             with no_running_pass(), publish_to_compiled_code(None):
                 return self.fn_ref.original_forward(*args, **kwargs)
+        if ctx.store_kv:
+            _refuse_block_skipping_hooks(module)
         inputs = self._signature.bind(*args, **kwargs).arguments
         p = build_forward_pass(module, ctx, inputs)
         _route_checkpointing(module)
@@ -227,6 +258,20 @@ class CausalForwardHook(ModelHook):
             output = self.fn_ref.original_forward(*args, **kwargs)
         p.commit()
         return output
+
+
+def _refuse_block_skipping_hooks(transformer: torch.nn.Module) -> None:
+    for branch, blocks in branch_blocks(transformer).items():
+        prefix = "blocks" if branch == "main" else "vace_blocks"
+        for name, submodule in blocks.named_modules(prefix=prefix):
+            registry = getattr(submodule, "_diffusers_hook", None)
+            skipping = sorted(BLOCK_SKIPPING_HOOKS.intersection(getattr(registry, "hooks", ())))
+            if skipping:
+                raise RuntimeError(
+                    f"store_kv=True forward refused: {skipping} on {name} may skip blocks or attention, so the cache "
+                    "would be committed for only some blocks. Run commit passes without it: "
+                    "transformer.disable_cache() before the store_kv=True forward, enable_cache(config) after."
+                )
 
 
 class PassAwareCheckpoint:
