@@ -201,13 +201,13 @@ def causal_rollout(
                          condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
+    sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear
     if continue_cache:
         engines = run.cache_engines or getattr(run.transformer, "kv_cache_engines", None) or {}
         run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
     else:
         run.clear()
     run.check_rope_range()
-    sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None
     outputs, seconds, start = [], [], 0
     for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()

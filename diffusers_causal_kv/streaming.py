@@ -63,6 +63,12 @@ def prefill(
     """
     transformer = resolve_transformer(model)
     engines = _engines(transformer, cache_engines)
+    batch, num_frames = latents.shape[0], latents.shape[2]
+    per_frame = {"condition": condition_latents, "control": control_latents}
+    for name, frames in per_frame.items():  # every argument check before the skip below changes the cache
+        if frames is not None and frames.shape[2] != num_frames:
+            raise ValueError(f"{name}_latents has {frames.shape[2]} frames but latents have {num_frames}.")
+    sizes = chunk_schedule(num_frames, chunk_frames)
     cached = engines["main"].next_frame(cache_tag) if "main" in engines else 0
     start = cached if start_frame is None else start_frame
     if start != cached:
@@ -74,13 +80,8 @@ def prefill(
             )
         for engine in engines.values():
             engine.skip_to(start, cache_tag)
-    batch, num_frames = latents.shape[0], latents.shape[2]
-    per_frame = {"condition": condition_latents, "control": control_latents}
-    for name, frames in per_frame.items():
-        if frames is not None and frames.shape[2] != num_frames:
-            raise ValueError(f"{name}_latents has {frames.shape[2]} frames but latents have {num_frames}.")
     offset = 0
-    for size in chunk_schedule(num_frames, chunk_frames):
+    for size in sizes:
         x = latents[:, :, offset:offset + size]
         if context_noise > 0:
             noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -238,6 +239,7 @@ class StreamingRollout:
 
     def prefill(self, latents: torch.Tensor) -> None:
         """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating."""
+        self._held_parts(self._window)  # frames committed behind this rollout's back: refuse before any work
         start = self.next_frame
         for tag, prompt in self.prompts.items():
             prefill(self.transformer, latents, prompt, cache_tag=tag, chunk_frames=self.chunk_frames,
@@ -246,6 +248,7 @@ class StreamingRollout:
 
     def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
         """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
+        self._held_parts(self._window)
         start = self.next_frame
         result = causal_rollout(
             self.transformer, noise, self.prompts["pos"], negative_prompt_embeds=self.prompts.get("neg"),
@@ -269,11 +272,19 @@ class StreamingRollout:
 
     def _remember(self, start: int, latents: torch.Tensor) -> None:
         """Add clean latents of frames ``start...`` and drop those of frames the cache no longer holds."""
-        pieces = [*self._window, (start, latents)]
+        # torch.cat copies: the dropped frames' memory is released
+        self._window = [(r.start, torch.cat(parts, dim=2))
+                        for r, parts in self._held_parts([*self._window, (start, latents)])]
+
+    def _held_parts(self, pieces: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[range, list[torch.Tensor]]]:
+        """For each range of frames the cache holds, the slices of ``pieces`` covering it; raises if any frame the
+        cache holds is not in ``pieces``."""
         engine = self.engine
         held = engine.held_frames("pos") if isinstance(engine, RollingKVCacheEngine) else [range(self.next_frame)]
-        window = []
+        covered = []
         for r in held:
+            if not len(r):
+                continue
             parts = [t[:, :, max(r.start, s) - s:min(r.stop, s + t.shape[2]) - s]
                      for s, t in pieces if s < r.stop and r.start < s + t.shape[2]]
             if sum(t.shape[2] for t in parts) != len(r):
@@ -281,5 +292,5 @@ class StreamingRollout:
                     f"the cache holds frames {_ranges([r])} but this StreamingRollout did not commit all of them; "
                     "commit frames through its prefill() and generate() only."
                 )
-            window.append((r.start, torch.cat(parts, dim=2)))  # a copy: the dropped frames' memory is released
-        self._window = window
+            covered.append((r, parts))
+        return covered

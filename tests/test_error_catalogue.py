@@ -1,0 +1,804 @@
+"""The error catalogue of the README ("## Errors"): every row is triggered here by a real misuse, and the cache is
+checked unchanged afterwards. The table, these cases and the package's ``raise`` statements cannot drift apart:
+every message fragment of the table has a case and every case's fragment is in the table, and every ``raise`` with a
+message in the package contains a fragment of its row."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import pathlib
+import re
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.hooks import FirstBlockCacheConfig
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+from helpers import VACE_CHANNELS, assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_vace, tiny_wan
+
+from diffusers_causal_kv import (
+    CausalContext,
+    CausalWanAttnProcessor,
+    KVCacheEngine,
+    RollingKVCacheEngine,
+    StaticKVCacheEngine,
+    StreamingRollout,
+    block_causal_mask,
+    causal_rollout,
+    clear_caches,
+    prefill,
+    recache,
+    self_forcing_rollout,
+    uninstall_causal_kv,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H = W = 4
+FRAME_TOKENS = 4
+T = torch.full((1,), 500.0)
+ZERO = torch.zeros(1)
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- small states
+def _x(frames, batch=1, h=H, w=W, channels=16, **kwargs):
+    return torch.randn(batch, channels, frames, h, w, **kwargs)
+
+
+def _control(frames):
+    return torch.randn(1, VACE_CHANNELS, frames, H, W)
+
+
+def _installed(model, engines=None):
+    if engines is not None:
+        model.kv_cache_engines = engines
+    model.set_attn_processor(CausalWanAttnProcessor())
+    return model
+
+
+def _t2v(frames=2, engine=None, **config):
+    """An installed tiny T2V model whose tag 'pos' holds ``frames`` committed frames (batch 1), and its prompt."""
+    model = _installed(tiny_wan(**config), None if engine is None else {"main": engine})
+    text, _ = conditioning(model, batch=1)
+    for start in range(frames):
+        forward(model, _x(1), ZERO, text, start_frame=start, store_kv=True)
+    return model, text
+
+
+def _vace(frames=1, engines=None):
+    """An installed tiny VACE model whose tag 'pos' holds ``frames`` committed frames on both branches."""
+    model = _installed(tiny_vace(), engines)
+    text, _ = conditioning(model, batch=1)
+    for start in range(frames):
+        forward(model, _x(1), ZERO, text, extra={"control_hidden_states": _control(1)}, start_frame=start,
+                store_kv=True)
+    return model, text
+
+
+def _i2v():
+    """An installed tiny Wan2.1 I2V model with one committed frame; its prompt, image embeddings and a chunk."""
+    model = _installed(tiny_wan(i2v=True))
+    text, image = conditioning(model, batch=1)
+    x = _x(1, channels=model.config.in_channels)
+    forward(model, x, ZERO, text, image, start_frame=0, store_kv=True)
+    return model, text, image, x
+
+
+# ---------------------------------------------------------------------------------------------- the cases
+CASES = []
+
+
+def case(error, fragment, detail=None, cached=True):
+    """Register a case: the decorated function builds a state and returns ``(model, trigger)``; ``trigger()`` must
+    raise exactly ``error`` with ``fragment`` (the README row's text) in its message, and ``detail`` (a regex) when
+    given. ``cached``: the state holds committed frames (False where no forward can commit anything)."""
+
+    def register(build):
+        CASES.append(pytest.param(build, error, fragment, detail, cached, id=build.__name__.replace("_", "-")))
+        return build
+
+    return register
+
+
+# Installation and engine maps
+@case(RuntimeError, "has no CausalWanAttnProcessor installed", "before opening a CausalContext")
+def not_installed():
+    model, text = _t2v()
+    model.set_attn_processor(WanAttnProcessor())  # the stock processors back; the engines stay
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(RuntimeError, "has no CausalWanAttnProcessor installed", "no KV cache to clear")
+def clear_caches_not_installed():
+    model, _ = _t2v()
+    model.set_attn_processor(WanAttnProcessor())
+    return model, lambda: clear_caches(model)
+
+
+@case(RuntimeError, "do not use CausalWanAttnProcessor", "1 of 4 attention modules")
+def partially_installed():
+    model, text = _t2v()
+    model.blocks[1].attn2.set_processor(WanAttnProcessor())
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(NotImplementedError, "context parallelism")
+def context_parallelism():
+    model, text = _t2v()
+    model.blocks[0].attn1.processor._parallel_config = object()  # what transformer.enable_parallelism() sets
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(ValueError, "needs a temporal patch size of 1", cached=False)
+def temporal_patch_size():
+    model = _installed(tiny_wan(patch_size=(2, 2, 2)), {"main": KVCacheEngine()})
+    text, _ = conditioning(model, batch=1)
+    return model, lambda: forward(model, _x(2), T, text, start_frame=0)
+
+
+@case(ValueError, "transformer.kv_cache_engines must be a dict from branch names", r"got \['main', 'vace'\]")
+def engine_map_with_unknown_branch():
+    model, text = _t2v()
+    model.kv_cache_engines["vace"] = KVCacheEngine()  # a T2V model has no VACE branch
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(ValueError, "cache_engines must map exactly the branches", r"\['main'\] to engines, got \[\]")
+def cache_engines_missing_branch():
+    model, text = _t2v()
+    return model, lambda: forward(model, _x(1), T, text, start_frame=0, cache_engines={})
+
+
+@case(TypeError, "not a KV-cache engine", "cache_engines\\['main'\\] is a object")
+def cache_engines_not_an_engine():
+    model, text = _t2v()
+    return model, lambda: forward(model, _x(1), T, text, start_frame=0, cache_engines={"main": object()})
+
+
+@case(ValueError, "each branch needs its own engine instance")
+def one_engine_on_two_branches():
+    model, text = _vace()
+    shared = KVCacheEngine()
+    return model, lambda: forward(model, _x(1), T, text, extra={"control_hidden_states": _control(1)},
+                                  start_frame=0, cache_engines={"main": shared, "vace": shared})
+
+
+@case(ValueError, "already registered modules of branch", "branch 'main' already registered modules of branch 'vace'")
+def engine_moved_to_another_branch():
+    model, text = _vace()
+    engines = model.kv_cache_engines
+    swapped = {"main": engines["vace"], "vace": engines["main"]}
+    return model, lambda: forward(model, _x(1), T, text, extra={"control_hidden_states": _control(1)},
+                                  start_frame=1, cache_engines=swapped)
+
+
+@case(RuntimeError, "before transformer.enable_group_offload", "leaf-level group offloading")
+def leaf_offloading_before_the_hooks():
+    model, text = _t2v()
+    engines = model.kv_cache_engines
+    uninstall_causal_kv(model)  # hooks gone; install again on the same engines, offloading first
+    _installed(model, engines)
+    model.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type="leaf_level")
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+# Context lifecycle and routing
+@case(RuntimeError, "This CausalContext is already open")
+def context_entered_twice():
+    model, _ = _t2v()
+    ctx = CausalContext(model, start_frame=2)
+
+    def trigger():
+        with ctx:
+            ctx.__enter__()
+
+    return model, trigger
+
+
+@case(RuntimeError, "called inside a CausalContext")
+def uninstall_inside_context():
+    model, _ = _t2v()
+
+    def trigger():
+        with CausalContext(model, start_frame=2):
+            uninstall_causal_kv(model)
+
+    return model, trigger
+
+
+@case(RuntimeError, "needs an open context")
+def resolve_outside_context():
+    model, _ = _t2v()
+    return model, lambda: CausalContext(model, start_frame=2).resolve_registered_engine(model.blocks[0].attn1)
+
+
+@case(RuntimeError, "registered the attention module")
+def module_replaced_under_a_context():
+    model, text = _t2v()
+
+    def trigger():
+        old = model.blocks[1].attn1
+        with torch.no_grad(), CausalContext(model, start_frame=2, store_kv=True):
+            # A new module object (no engine registered it) over the same projections, so the weights are not
+            # stale: only the routing fails.
+            model.blocks[1].attn1 = copy.copy(old)
+            try:
+                model(hidden_states=_x(1), timestep=ZERO, encoder_hidden_states=text)
+            finally:
+                model.blocks[1].attn1 = old
+
+    return model, trigger
+
+
+@case(KeyError, "is not registered with this", "Linear at 0x")
+def block_index_of_unregistered_module():
+    model, _ = _t2v()
+    return model, lambda: model.kv_cache_engines["main"].block_index(torch.nn.Linear(2, 2))
+
+
+# CausalContext arguments
+def _context(**kwargs):
+    model, _ = _t2v()
+    return model, lambda: CausalContext(model, **kwargs)
+
+
+@case(TypeError, "start_frame must be an int", "got float")
+def start_frame_not_int():
+    return _context(start_frame=2.0)
+
+
+@case(TypeError, "cache_tag must be a str", "got int")
+def cache_tag_not_str():
+    return _context(cache_tag=1)
+
+
+@case(ValueError, "start_frame must be >= 0", "got -1")
+def negative_start_frame():
+    return _context(start_frame=-1)
+
+
+@case(ValueError, "mode must be one of", "got 'causal'")
+def unknown_mode():
+    return _context(mode="causal")
+
+
+@case(ValueError, "only apply to the mask modes", "^chunk_frames only")
+def mask_option_in_cache_mode():
+    return _context(chunk_frames=2)
+
+
+@case(ValueError, "store_kv=True cannot apply")
+def store_kv_in_mask_mode():
+    return _context(mode="block_causal", chunk_frames=1, store_kv=True)
+
+
+@case(ValueError, "needs exactly one of chunk_frames")
+def mask_mode_without_schedule():
+    return _context(mode="block_causal")
+
+
+@case(ValueError, "are part of a prebuilt mask")
+def window_beside_prebuilt_mask():
+    return _context(mode="block_causal", mask=block_causal_mask(3, 1, FRAME_TOKENS), window_frames=2)
+
+
+@case(ValueError, "build it with the", "teacher_forcing_mask")
+def mask_of_the_other_mode():
+    return _context(mode="teacher_forcing", mask=block_causal_mask(3, 1, FRAME_TOKENS))
+
+
+# Forward inputs
+def _bad_forward(x=None, t=ZERO, text=None, image=None, **ctx):
+    """A commit forward of the next chunk on a T2V model holding 2 frames, with one input replaced."""
+    model, prompt = _t2v()
+    ctx = {"start_frame": 2, "store_kv": True, **ctx}
+    return model, lambda: forward(model, _x(1) if x is None else x, t, prompt if text is None else text, image, **ctx)
+
+
+@case(ValueError, "latent tensor under a CausalContext")
+def hidden_states_not_5d():
+    return _bad_forward(x=torch.randn(1, 16, H, W))
+
+
+@case(ValueError, "is not divisible by the patch size", "latent height 5")
+def height_not_divisible_by_patch():
+    return _bad_forward(x=_x(1, h=5))
+
+
+@case(TypeError, "timestep must be a tensor", "got float")
+def timestep_number():
+    return _bad_forward(t=0.0)
+
+
+@case(ValueError, "per-token timesteps for this chunk only", r"timestep has shape \(1, 3\)")
+def timestep_shape():
+    return _bad_forward(t=torch.zeros(1, 3))
+
+
+@case(ValueError, "takes one timestep per sample")
+def per_token_timesteps_on_vace():
+    model, text = _vace()
+    return model, lambda: forward(model, _x(1), torch.zeros(1, FRAME_TOKENS), text,
+                                  extra={"control_hidden_states": _control(1)}, start_frame=1)
+
+
+@case(ValueError, "(the text encoder's output)", r"\[batch, tokens, 32\].*got \(1, 12, 7\)")
+def text_embeddings_malformed():
+    return _bad_forward(text=torch.randn(1, 12, 7))
+
+
+@case(ValueError, "encoder_hidden_states has batch", "batch 3 but the latents have batch 1")
+def text_embeddings_of_other_batch():
+    return _bad_forward(text=torch.randn(3, 12, 32))
+
+
+@case(ValueError, "drop the image embeddings")
+def image_embeddings_for_t2v():
+    return _bad_forward(image=torch.randn(1, 4, 8))
+
+
+@case(ValueError, "pass encoder_hidden_states_image")
+def i2v_without_image_embeddings():
+    model, text, _, x = _i2v()
+    return model, lambda: forward(model, x, ZERO, text, None, start_frame=1, store_kv=True)
+
+
+@case(ValueError, "(the image encoder's output)", r"got \(1, 4, 4\)")
+def i2v_image_embeddings_malformed():
+    model, text, image, x = _i2v()
+    return model, lambda: forward(model, x, ZERO, text, image[:, :, :4], start_frame=1, store_kv=True)
+
+
+@case(ValueError, "pad the prompt embeddings to", "has 100")
+def i2v_prompt_not_512_tokens():
+    model, text, image, x = _i2v()
+    return model, lambda: forward(model, x, ZERO, text[:, :100], image, start_frame=1, store_kv=True)
+
+
+def _bad_control(extra):
+    model, text = _vace()
+    return model, lambda: forward(model, _x(1), ZERO, text, extra=extra, start_frame=1, store_kv=True)
+
+
+@case(ValueError, "pass control_hidden_states")
+def vace_without_control():
+    return _bad_control({})
+
+
+@case(ValueError, "slice the control latents to the chunk's frames", r"shape \(1, 24, 2, 4, 4\)")
+def vace_control_of_other_frames():
+    return _bad_control({"control_hidden_states": _control(2)})
+
+
+@case(ValueError, "one scale per VACE layer", r"shape \(3,\) but the model has 2 VACE layers")
+def vace_control_scale_length():
+    return _bad_control({"control_hidden_states": _control(1), "control_hidden_states_scale": torch.ones(3)})
+
+
+@case(ValueError, "build the mask for this sequence", "covers 4 frames of 4 tokens but this forward has 3 frames")
+def mask_for_other_sequence():
+    return _bad_forward(x=_x(3), t=T, start_frame=0, store_kv=False, mode="block_causal",
+                        mask=block_causal_mask(4, 1, FRAME_TOKENS))
+
+
+@case(ValueError, "halves of equal length", "has 3 latent frames")
+def teacher_forcing_odd_frames():
+    return _bad_forward(x=_x(3), t=T, start_frame=0, store_kv=False, mode="teacher_forcing", chunk_frames=1)
+
+
+@case(ValueError, "shorten the rollout", r"frames 2\.\.4 but the RoPE table has 4 positions")
+def chunk_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: forward(model, _x(3), ZERO, text, start_frame=2, store_kv=True)
+
+
+@case(ValueError, "the rollout covers latent frames", r"frames 2\.\.4 but the RoPE table has 4 positions")
+def rollout_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: causal_rollout(model, _x(3), text, chunk_frames=1, timesteps=(1000,), progress=False,
+                                         continue_cache=True)
+
+
+@case(ValueError, "exceeds rope_max_seq_len", "grid 5x5")
+def grid_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: forward(model, _x(1, h=10, w=10), T, text, start_frame=0, cache_tag="other")
+
+
+@case(ValueError, "place the chunk at different RoPE positions", r"\[2, 3\]")
+def branches_disagree_on_positions():
+    model, text = _vace(frames=3, engines={"main": RollingKVCacheEngine(3, positions="relative"),
+                                           "vace": RollingKVCacheEngine(3)})
+    return model, lambda: forward(model, _x(1), T, text, extra={"control_hidden_states": _control(1)},
+                                  start_frame=3)
+
+
+# Cache continuity and staleness
+@case(ValueError, "call clear_caches() or pass start_frame=", "holds 2 frames but start_frame=3")
+def start_frame_gap():
+    return _bad_forward(start_frame=3)
+
+
+@case(ValueError, "call clear_caches() or pass start_frame=", "holds 2 frames but start_frame=1")
+def start_frame_overlap():
+    return _bad_forward(start_frame=1)
+
+
+@case(ValueError, "was built with", "batch size 1 but this forward has 2")
+def tag_of_other_batch():
+    return _bad_forward(x=_x(1, batch=2), t=torch.zeros(2), text=torch.randn(2, 12, 32))
+
+
+@case(ValueError, "was built with", "dtype torch.float32 but this forward has torch.float64")
+def tag_of_other_dtype():
+    return _bad_forward(x=_x(1, dtype=torch.float64))
+
+
+@case(ValueError, "was built with", "device cpu but this forward has meta")
+def tag_of_other_device():
+    return _bad_forward(x=_x(1, device="meta"))
+
+
+@case(ValueError, "was built with", "tokens per latent frame 4 but this forward has 16")
+def tag_of_other_frame_size():
+    return _bad_forward(x=_x(1, h=8, w=8))
+
+
+@case(ValueError, "cross-attention K/V built from other conditioning")
+def tag_of_other_conditioning():
+    model, text = _t2v()
+    other = text.clone()
+    other[0, 3, 5] += 1e-3  # same shape, other values
+    return model, lambda: forward(model, _x(1), ZERO, other, start_frame=2, store_kv=True)
+
+
+@case(RuntimeError, "K/V projection weights changed since cache tag", "'pos' was filled")
+def weights_changed_since_filled():
+    model, text = _t2v()
+    with torch.no_grad():
+        model.blocks[0].attn1.to_k.weight.mul_(1.01)  # an in-place edit, as an optimizer step does
+    return model, lambda: forward(model, _x(1), ZERO, text, start_frame=2, store_kv=True)
+
+
+@case(RuntimeError, "store_kv=True forward refused", "fbc_leader_block_hook")
+def commit_under_block_skipping_cache_hook():
+    model, text = _t2v(layers=3)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.0))
+
+    def trigger():
+        with model.cache_context("cond"):
+            forward(model, _x(1), ZERO, text, start_frame=2, store_kv=True)
+
+    return model, trigger
+
+
+@case(RuntimeError, "so nothing was committed", "in 1 of 2 blocks")
+def commit_with_a_skipped_block():
+    model, text = _t2v()
+
+    def trigger():
+        model.blocks[1].forward = lambda hidden_states, *args, **kwargs: hidden_states  # the block does not run
+        try:
+            forward(model, _x(1), ZERO, text, start_frame=2, store_kv=True)
+        finally:
+            del model.blocks[1].forward
+
+    return model, trigger
+
+
+# Engines
+@case(ValueError, "pass a frame count between", "between -2 and 2")
+def crop_beyond_held_frames():
+    model, _ = _t2v()
+    return model, lambda: model.kv_cache_engines["main"].crop(3)
+
+
+@case(ValueError, "were evicted from the window", r"frames 1\.\.2 were evicted")
+def crop_into_evicted_frames():
+    model, _ = _t2v(frames=4, engine=RollingKVCacheEngine(3, sink_frames=1))  # holds frames 0 and 3
+    return model, lambda: model.kv_cache_engines["main"].crop(2)
+
+
+def _engine_args(build):
+    model, _ = _t2v()  # an installed model's engines, which the failed construction must leave alone
+    return model, build
+
+
+@case(TypeError, "must be an int (latent frames)", "window_frames must be an int")
+def rolling_window_not_int():
+    return _engine_args(lambda: RollingKVCacheEngine(2.5))
+
+
+@case(ValueError, "window_frames must be positive")
+def rolling_window_not_positive():
+    return _engine_args(lambda: RollingKVCacheEngine(0))
+
+
+@case(ValueError, "sink_frames must be >= 0")
+def rolling_negative_sink():
+    return _engine_args(lambda: RollingKVCacheEngine(3, sink_frames=-1))
+
+
+@case(ValueError, "leaves no room in window_frames", "sink_frames=4 leaves no room in window_frames=4")
+def rolling_sink_fills_window():
+    return _engine_args(lambda: RollingKVCacheEngine(4, sink_frames=4))
+
+
+@case(ValueError, "positions must be one of", "got 'rotary'")
+def rolling_unknown_positions():
+    return _engine_args(lambda: RollingKVCacheEngine(3, positions="rotary"))
+
+
+@case(ValueError, "does not fit RollingKVCacheEngine(", "at most 3 frames")
+def rolling_chunk_longer_than_window():
+    model, text = _t2v(engine=RollingKVCacheEngine(3))
+    return model, lambda: forward(model, _x(4), ZERO, text, start_frame=2, store_kv=True)
+
+
+@case(ValueError, "numbers the window's frames", "use window_frames <= 4")
+def rolling_relative_window_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    session = {"main": RollingKVCacheEngine(6, positions="relative")}
+    return model, lambda: forward(model, _x(1), ZERO, text, start_frame=0, store_kv=True, cache_engines=session)
+
+
+@case(ValueError, "use crop() to go back", r"skip_to\(1\)")
+def skip_backwards():
+    model, _ = _t2v(engine=RollingKVCacheEngine(3))
+    return model, lambda: model.kv_cache_engines["main"].skip_to(1, "pos")
+
+
+@case(ValueError, "commit the whole sink", "holds 1 of its 2 sink frames")
+def skip_before_the_sink_is_committed():
+    model, _ = _t2v(frames=1, engine=RollingKVCacheEngine(4, sink_frames=2))
+    return model, lambda: model.kv_cache_engines["main"].skip_to(5, "pos")
+
+
+@case(ValueError, "max_frames must be a positive int", "got 0")
+def static_max_frames_not_positive():
+    return _engine_args(lambda: StaticKVCacheEngine(max_frames=0))
+
+
+@case(ValueError, "StaticKVCacheEngine holds at most", r"StaticKVCacheEngine\(max_frames=4\)")
+def static_chunk_past_max_frames():
+    model, text = _t2v(engine=StaticKVCacheEngine(max_frames=3))
+    return model, lambda: forward(model, _x(2), ZERO, text, start_frame=2, store_kv=True)
+
+
+@case(ValueError, "to a static buffer holding", "appending 8 tokens to a static buffer holding 8 of 12")
+def static_append_past_max_frames():
+    model, _ = _t2v(engine=StaticKVCacheEngine(max_frames=3))
+    kv = torch.zeros(1, 2 * FRAME_TOKENS, 2, 12)
+    return model, lambda: model.kv_cache_engines["main"].append_self_kv(0, "pos", kv, kv)
+
+
+# Masks (built per forward in the mask modes, before any work)
+def _mask_forward(frames=3, **ctx):
+    return _bad_forward(x=_x(frames), t=T, start_frame=0, store_kv=False, mode="block_causal", **ctx)
+
+
+@case(ValueError, "chunk_frames must be positive", "got 0")
+def mask_chunk_frames_not_positive():
+    return _mask_forward(chunk_frames=0)
+
+
+@case(ValueError, "must be positive ints adding up to the", r"\[1, 1\] must be positive ints adding up to the 3")
+def mask_chunk_sizes_not_adding_up():
+    return _mask_forward(chunk_frames=[1, 1])
+
+
+@case(ValueError, "frame_tokens must be a positive int", "got 0")
+def mask_frame_tokens_not_positive():
+    model, _ = _t2v()
+    return model, lambda: block_causal_mask(4, 2, frame_tokens=0)
+
+
+@case(ValueError, "sink_frames needs window_frames")
+def mask_sink_without_window():
+    return _mask_forward(chunk_frames=1, sink_frames=1)
+
+
+@case(ValueError, "need window_frames > sink_frames >= 0", "window_frames=2, sink_frames=2")
+def mask_sink_fills_window():
+    return _mask_forward(chunk_frames=1, window_frames=2, sink_frames=2)
+
+
+@case(ValueError, "does not fit the window's", "a chunk of 2 frames does not fit the window's 1 non-sink frames")
+def mask_chunk_longer_than_window():
+    return _mask_forward(frames=4, chunk_frames=2, window_frames=2, sink_frames=1)
+
+
+# Rollout helpers
+@case(NotImplementedError, "two-expert Wan2.2 pipelines")
+def two_expert_pipeline():
+    model, text = _t2v()
+
+    class TwoExpertPipeline:
+        transformer, transformer_2 = model, model
+
+    return model, lambda: causal_rollout(TwoExpertPipeline(), _x(2), text, progress=False)
+
+
+@case(ValueError, "frames but noise has", "condition_latents has 2 frames but noise has 3")
+def rollout_per_frame_latents_of_other_length():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(3), text, condition_latents=torch.randn(1, 20, 2, H, W),
+                                         progress=False)
+
+
+@case(ValueError, "frames but latents have", "condition_latents has 1 frames but latents have 2")
+def prefill_per_frame_latents_of_other_length():
+    model, text = _t2v(engine=RollingKVCacheEngine(3))  # a skip forward is allowed: checked before it
+    return model, lambda: prefill(model, _x(2), text, start_frame=5, condition_latents=torch.randn(1, 20, 1, H, W))
+
+
+@case(ValueError, "needs control_latents")
+def vace_rollout_without_control():
+    model, text = _vace()
+    return model, lambda: causal_rollout(model, _x(2), text, progress=False)
+
+
+@case(ValueError, "control_latents were given but")
+def rollout_control_for_non_vace():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, control_latents=_control(2), progress=False)
+
+
+@case(ValueError, "needs negative_prompt_embeds")
+def rollout_guidance_without_negative_prompt():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, guidance_scale=5.0, progress=False)
+
+
+@case(ValueError, "needs negative_prompt_embeds")
+def streaming_guidance_without_negative_prompt():
+    model, text = _t2v()
+    return model, lambda: StreamingRollout(model, text, guidance_scale=3.0)
+
+
+@case(ValueError, "needs num_inference_steps")
+def scheduler_without_steps():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                         progress=False)
+
+
+@case(ValueError, "timesteps must lie in", r"got \[1000, 0\]")
+def rollout_timestep_out_of_range():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, timesteps=(1000, 0), progress=False)
+
+
+@case(ValueError, "timesteps must lie in", r"got \[1000, 1500\]")
+def self_forcing_timestep_out_of_range():
+    model, text = _t2v()
+    return model, lambda: self_forcing_rollout(model, _x(2), text, timesteps=(1000, 1500))
+
+
+@case(ValueError, "exit_step must be an index into the", "into the 2 timesteps")
+def exit_step_out_of_range():
+    model, text = _t2v()
+    return model, lambda: self_forcing_rollout(model, _x(2), text, exit_step=2, timesteps=(1000, 500))
+
+
+# Streaming
+@case(ValueError, "prefill(start_frame=", r"prefill\(start_frame=1\).*continues at frame 2")
+def prefill_at_another_frame():
+    model, text = _t2v()
+    return model, lambda: prefill(model, _x(1), text, start_frame=1)
+
+
+@case(TypeError, "refills the window of a RollingKVCacheEngine")
+def recache_without_rolling_engine():
+    model, text = _t2v()
+    return model, lambda: recache(model, [(0, _x(2))], text)
+
+
+@case(ValueError, "but the window latents cover", r"holds frames \[0\.\.1\] but the window latents cover \[0\.\.0\]")
+def recache_window_of_other_frames():
+    model, text = _t2v(engine=RollingKVCacheEngine(3))
+    return model, lambda: recache(model, [(0, _x(1))], text)
+
+
+@case(NotImplementedError, "takes text conditioning only")
+def streaming_rollout_on_vace():
+    model, text = _vace()
+    return model, lambda: StreamingRollout(model, text)
+
+
+@case(RuntimeError, "did not commit all of them", r"holds frames \[0\.\.1\]")
+def streaming_after_a_commit_behind_its_back():
+    model = _installed(tiny_wan(), {"main": RollingKVCacheEngine(3)})
+    text, _ = conditioning(model, batch=1)
+    stream = StreamingRollout(model, text, chunk_frames=1, timesteps=(1000,))
+    stream.generate(_x(1))
+    forward(model, _x(1), ZERO, text, start_frame=stream.next_frame, store_kv=True)  # not through the rollout
+    return model, lambda: stream.generate(_x(1))
+
+
+@pytest.mark.parametrize("build, error, fragment, detail, cached", CASES)
+def test_error_leaves_the_cache_unchanged(build, error, fragment, detail, cached):
+    model, trigger = build()
+    before = cache_snapshot(model)
+    held = [frames for meta, _, _ in before.values() for frames, _ in meta.values()]
+    assert any(held) == cached, "the state must hold committed frames where a cache is involved"
+    with pytest.raises(error, match=re.escape(fragment)) as caught:
+        trigger()
+    assert type(caught.value) is error
+    if detail is not None:
+        assert re.search(detail, str(caught.value)), str(caught.value)
+    assert_same_snapshot(before, cache_snapshot(model))
+
+
+# ---------------------------------------------------------------------------------------------- no drift
+def _catalogue() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(row, [(exception type, message fragment), ...]) for each row of the README's Errors table; a row's first
+    cell is ``\\`Type\\`: \\`fragment\\` / \\`fragment\\`; \\`Type\\`: ...``."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        error_cell = line.split(" | ", 1)[0]
+        kind, fragments = None, []
+        for token in re.findall(r"`([^`]+)`", error_cell):
+            if re.fullmatch(r"[A-Z]\w*(Error|Exception)", token):
+                kind = token
+            else:
+                assert kind is not None, f"a fragment before its exception type in {line!r}"
+                fragments.append((kind, token))
+        rows.append((line, fragments))
+    return rows
+
+
+def _literal(node: ast.AST) -> str:
+    """The literal text of a message expression, with a NUL for every computed part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_literal(value) for value in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _literal(node.left) + _literal(node.right)
+    return "\0"
+
+
+def _package_raises() -> list[tuple[str, str, list[str]]]:
+    """(where, exception type, [message alternatives]) of every ``raise Type(message)`` in the package. Left out:
+    bare re-raises in cleanup handlers and ``raise NotImplementedError`` of abstract engine hooks (no message)."""
+    found = []
+    for path in sorted((ROOT / "diffusers_causal_kv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+                continue
+            message = node.exc.args[0]
+            alternatives = [message.body, message.orelse] if isinstance(message, ast.IfExp) else [message]
+            found.append((f"{path.relative_to(ROOT)}:{node.lineno}", node.exc.func.id,
+                          [_literal(m) for m in alternatives]))
+    return found
+
+
+def test_readme_rows_and_cases_match():
+    rows = _catalogue()
+    assert len(rows) > 40
+    assert all(fragments for _, fragments in rows), [line for line, fragments in rows if not fragments]
+    documented = [pair for _, fragments in rows for pair in fragments]
+    assert len(documented) == len(set(documented)), "a fragment listed twice"
+    tested = {(p.values[1].__name__, p.values[2]) for p in CASES}
+    assert sorted(set(documented) - tested) == [], "README rows without a triggering case"
+    assert sorted(tested - set(documented)) == [], "cases whose error is not in the README"
+    ids = [p.id for p in CASES]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_raise_in_the_package_has_a_row():
+    documented = [pair for _, fragments in _catalogue() for pair in fragments]
+    raises = _package_raises()
+    assert len(raises) > 80
+    missing = [(where, kind, text) for where, kind, texts in raises for text in texts
+               if not any(kind == k and fragment in text for k, fragment in documented)]
+    assert missing == [], "raises with no README row"
+    unused = [(k, fragment) for k, fragment in documented
+              if not any(kind == k and fragment in text for _, kind, texts in raises for text in texts)]
+    assert unused == [], "README fragments that no raise in the package contains"
