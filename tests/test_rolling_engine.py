@@ -209,6 +209,24 @@ def test_crop_and_skip_to():
         forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=9)
 
 
+def test_skip_to_needs_the_whole_sink_and_an_empty_window_reads_none():
+    """A tag cropped into its sink cannot skip ahead (its sink slots would be read as committed frames), and a
+    window holding none of the committed frames has no prefix."""
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(3, sink_frames=2))
+    text, _ = conditioning(model, batch=1)
+    forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, store_kv=True)
+    with pytest.raises(ValueError, match="holds 1 of its 2 sink frames"):
+        engine.skip_to(4, "pos")
+    engine.crop(0)
+    with pytest.raises(ValueError, match="holds 0 of its 2 sink frames"):
+        engine.skip_to(4, "pos")
+    assert engine.next_frame("pos") == 0
+    engine = RollingKVCacheEngine(1)  # a chunk sees only itself: no committed frame is held
+    forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, store_kv=True, cache_engines={"main": engine})
+    assert engine.num_frames("pos") == 1 and engine.get_self_prefix(0, "pos") is None
+
+
 def test_clear_one_tag():
     model = tiny_wan()
     engine = _install(model, RollingKVCacheEngine(4))

@@ -184,7 +184,8 @@ class BaseKVCacheEngine:
         self._self_append(self._self_kv[block_idx][cache_tag], key.detach(), value.detach())
 
     def get_self_prefix(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The cached prefix K/V of a block as fresh tensors, or ``None`` when the tag holds no frames."""
+        """The cached prefix K/V of a block as fresh tensors, or ``None`` when the tag holds no frames (a bounded engine
+        may hold none of the frames committed to it)."""
         entry = self._self_kv.get(block_idx, {}).get(cache_tag)
         if entry is None or self.num_frames(cache_tag) == 0:
             return None

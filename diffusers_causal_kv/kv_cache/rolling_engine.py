@@ -171,18 +171,14 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             )
         if frame == cached:
             return
-        if 0 < cached < self.sink_frames:
+        # Also for a tag cropped to fewer frames than its sink: the sink slots would be read as if committed.
+        if cached < self.sink_frames:
             raise ValueError(
-                f"cache tag {cache_tag!r} holds {cached} of its {self.sink_frames} sink frames; commit the whole "
-                f"sink before skip_to({frame}), or clear the tag."
+                f"cache tag {cache_tag!r} holds {cached} of its {self.sink_frames} sink frames, so skip_to({frame}) "
+                "would leave sink frames missing; commit the whole sink first, or clear the tag."
             )
         info = self._tags.get(cache_tag)
         if info is None:
-            if self.sink_frames:
-                raise ValueError(
-                    f"cache tag {cache_tag!r} is empty, so skip_to({frame}) would leave its {self.sink_frames} sink "
-                    "frames missing; commit the sink frames first."
-                )
             self._resume_at[cache_tag] = frame
             return
         for tags in self._self_kv.values():
@@ -353,8 +349,10 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         entry.frames = stop
         entry.oldest = max(entry.oldest, stop - self._ring_frames)
 
-    def _self_prefix(self, entry: RingEntry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _self_prefix(self, entry: RingEntry) -> tuple[torch.Tensor, torch.Tensor] | None:
         slices = [s for frames in self._held(entry) for s in self._slices(frames, entry)]
+        if not slices:  # every committed frame evicted (a window of one frame, or right after skip_to)
+            return None
         return (torch.cat([entry.keys[:, s] for s in slices], dim=1),
                 torch.cat([entry.values[:, s] for s in slices], dim=1))
 
