@@ -113,9 +113,11 @@ def recache(
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
 ) -> None:
-    """Re-cache ``cache_tag`` under new conditioning: clear the tag (its cross entries included) and prefill the
-    frames it still holds, from their clean latents, with ``prompt_embeds``. The tag then continues at the frame it
-    continued at before.
+    """Re-cache ``cache_tag`` under new conditioning: prefill the frames the tag still holds, from their clean
+    latents, with ``prompt_embeds``, into a fresh tag (its cross entries included) that replaces the old one. The tag
+    then continues at the frame it continued at before. The new tag is built in scratch engines and handed over only
+    once every forward succeeded, so an error leaves the old tag as it was (at the cost of holding the tag twice
+    meanwhile).
 
     Args:
         window: ``(start_frame, clean latents)`` for each range of :meth:`RollingKVCacheEngine.held_frames`
@@ -140,15 +142,16 @@ def recache(
             "pass the clean latents of exactly the held frames (StreamingRollout.window keeps them)."
         )
     resume = main.next_frame(cache_tag)
-    for engine in engines.values():
-        engine.clear(cache_tag)
+    scratch = {branch: engine.empty_like() for branch, engine in engines.items()}
     for start, latents in window:
         prefill(transformer, latents, prompt_embeds, cache_tag=cache_tag, start_frame=start,
                 chunk_frames=recache_schedule(latents.shape[2], chunk_frames), context_noise=context_noise,
-                image_embeds=image_embeds, cache_engines=cache_engines, generator=generator)
-    if main.next_frame(cache_tag) != resume:  # nothing recent held: continue where the rollout was
-        for engine in engines.values():
+                image_embeds=image_embeds, cache_engines=scratch, generator=generator)
+    if scratch["main"].next_frame(cache_tag) != resume:  # nothing recent held: continue where the rollout was
+        for engine in scratch.values():
             engine.skip_to(resume, cache_tag)
+    for branch, engine in engines.items():
+        engine.adopt_tag(scratch[branch], cache_tag)
 
 
 def recache_schedule(num_frames: int, chunk_frames: int) -> list[int]:

@@ -701,6 +701,13 @@ def recache_window_of_other_frames():
     return model, lambda: recache(model, [(0, _x(1))], text)
 
 
+@case(ValueError, "adopt_tag() takes the tag of an engine", r"\(3, 0, 'absolute'\)")
+def adopt_tag_of_another_window():
+    model, text = _t2v(engine=RollingKVCacheEngine(3))
+    other = RollingKVCacheEngine(4)
+    return model, lambda: model.kv_cache_engines["main"].adopt_tag(other, "pos")
+
+
 @case(NotImplementedError, "takes text conditioning only")
 def streaming_rollout_on_vace():
     model, text = _vace()

@@ -109,6 +109,43 @@ def test_recache_equals_clearing_and_prefilling_with_the_new_prompt(positions, s
     assert not all(torch.allclose(x, y) for x, y in zip(before["main"][2], after["main"][2]))
 
 
+def test_recache_that_fails_part_way_leaves_the_tag_as_it_was():
+    """The new tag is built in scratch engines: an error in its second prefill forward leaves the old tag (frames,
+    cross entries, next frame, memory) bitwise as it was, and the same recache then succeeds."""
+    model, engine, window = _prefilled("absolute")
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    before = cache_snapshot(model)
+    calls = []
+
+    def fail_on_second_forward(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+
+    handle = model.blocks[1].register_forward_pre_hook(fail_on_second_forward)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        recache(model, window, new_text, chunk_frames=2)
+    handle.remove()
+    _assert_close_caches(before, cache_snapshot(model), atol=0)
+    assert engine.held_frames("pos") == [range(0, 1), range(6, 9)] and engine.next_frame("pos") == 9
+    recache(model, window, new_text, chunk_frames=2)
+    assert engine.held_frames("pos") == [range(0, 1), range(6, 9)] and engine.next_frame("pos") == 9
+    assert engine.memory_bytes() == before["main"][1]
+
+
+def test_recache_of_a_window_holding_nothing_keeps_the_next_frame():
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(1))  # a chunk sees only itself: nothing is ever held
+    text, _ = conditioning(model, batch=1)
+    prefill(model, _clip(3), text, chunk_frames=1)
+    assert engine.held_frames("pos") == [] and engine.next_frame("pos") == 3
+    new_text, _ = conditioning(model, batch=1, seed=21)
+    recache(model, [], new_text)
+    assert engine.next_frame("pos") == 3 and not engine.is_cross_init("pos")
+    forward(model, _clip(1), torch.zeros(1), new_text, start_frame=3, store_kv=True)  # takes the new prompt
+    assert engine.is_cross_init("pos")
+
+
 def test_next_chunk_after_recache_matches_a_full_forward():
     """After the switch the window holds the sink and the recent frames recomputed under the new prompt at their
     own positions; the evicted frames in between are seen by nobody."""

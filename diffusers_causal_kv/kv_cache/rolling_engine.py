@@ -159,6 +159,30 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         self._tags.pop(cache_tag, None)
         self._resume_at.pop(cache_tag, None)
 
+    def empty_like(self) -> RollingKVCacheEngine:
+        """A new, empty engine with this one's window, sink and positions."""
+        return RollingKVCacheEngine(self.window_frames, self.sink_frames, self.positions)
+
+    def adopt_tag(self, other: RollingKVCacheEngine, cache_tag: str) -> None:
+        """Replace ``cache_tag``'s entries by those ``other`` holds (an :meth:`empty_like` engine of the same branch
+        that served the same transformer); ``other`` loses them. :func:`~diffusers_causal_kv.streaming.recache` builds
+        the new tag there, so a failure part-way leaves this engine untouched."""
+        shape = (self.window_frames, self.sink_frames, self.positions)
+        if (other.window_frames, other.sink_frames, other.positions) != shape or other._module_to_block not in (
+                {}, self._module_to_block):
+            raise ValueError(
+                f"adopt_tag() takes the tag of an engine of the same window, sink and positions {shape} that served "
+                "the same blocks; build it with empty_like()."
+            )
+        self.clear(cache_tag)
+        for mine, theirs in ((self._self_kv, other._self_kv), (self._cross_kv, other._cross_kv)):
+            for block_idx, tags in theirs.items():
+                if cache_tag in tags:
+                    mine.setdefault(block_idx, {})[cache_tag] = tags.pop(cache_tag)
+        for mine, theirs in ((self._tags, other._tags), (self._resume_at, other._resume_at)):
+            if cache_tag in theirs:
+                mine[cache_tag] = theirs.pop(cache_tag)
+
     def skip_to(self, frame: int, cache_tag: str) -> None:
         """Continue ``cache_tag`` at absolute frame ``frame`` without committing the frames before it: they count as
         committed and evicted. The sink is kept, the recent frames are dropped. Re-filling the window after a prompt
