@@ -123,11 +123,10 @@ class _ChunkForwards:
         return (1 - sigma) * x0 + sigma * self.randn_like(x0)
 
     def check_rope_range(self) -> None:
-        """Fail before any work when the rollout would run past the RoPE table. Engines that re-index positions
-        inside a window (their ``rope_start_frame`` is not the absolute frame) are not bounded by it."""
+        """Fail before any work (a fresh rollout: before clearing the caches) when the rollout would run past the
+        RoPE table. Engines that re-index positions inside a window are not bounded by it."""
         engines = self.cache_engines or getattr(self.transformer, "kv_cache_engines", None) or {}
-        last_start = self.first_frame + sum(self.sizes[:-1])
-        if any(e.rope_start_frame("pos", last_start, self.sizes[-1]) != last_start for e in engines.values()):
+        if any(e.reindexes_positions for e in engines.values()):
             return
         end, max_len = self.first_frame + sum(self.sizes), self.transformer.rope.max_seq_len
         if end > max_len:
@@ -205,9 +204,9 @@ def causal_rollout(
     if continue_cache:
         engines = run.cache_engines or getattr(run.transformer, "kv_cache_engines", None) or {}
         run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
-    else:
-        run.clear()
     run.check_rope_range()
+    if not continue_cache:
+        run.clear()
     outputs, seconds, start = [], [], 0
     for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()
@@ -277,8 +276,8 @@ def self_forcing_rollout(
                          condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
     exits = _exit_steps(exit_step, len(timesteps), len(run.sizes), generator)
     sigmas = shifted_sigmas(timesteps, shift).tolist()
-    run.clear()
     run.check_rope_range()
+    run.clear()
     outputs, seconds, start = [], [], 0
     for size, exit_at in zip(tqdm(run.sizes, desc="self-forcing rollout", unit="chunk", disable=not progress),
                              exits):

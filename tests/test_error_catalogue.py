@@ -400,6 +400,18 @@ def rollout_past_rope_table():
                                          continue_cache=True)
 
 
+@case(ValueError, "the rollout covers latent frames", r"frames 0\.\.4 but the RoPE table has 4 positions")
+def fresh_rollout_past_rope_table():  # checked before the fresh rollout clears the caches
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: causal_rollout(model, _x(5), text, chunk_frames=1, timesteps=(1000,), progress=False)
+
+
+@case(ValueError, "the rollout covers latent frames", r"frames 0\.\.4 but the RoPE table has 4 positions")
+def fresh_self_forcing_rollout_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: self_forcing_rollout(model, _x(5), text, chunk_frames=1, timesteps=(1000,))
+
+
 @case(ValueError, "exceeds rope_max_seq_len", "grid 5x5")
 def grid_past_rope_table():
     model, text = _t2v(rope_max_seq_len=4)

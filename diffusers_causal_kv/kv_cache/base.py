@@ -138,6 +138,10 @@ class BaseKVCacheEngine:
         """The ``start_frame`` the next cached pass on ``cache_tag`` must use (append-only: the cached frames)."""
         return self.num_frames(cache_tag)
 
+    #: Whether :meth:`rope_start_frame` numbers frames inside a window rather than absolutely (then
+    #: ``rope_max_seq_len`` does not bound the length of a rollout).
+    reindexes_positions = False
+
     def rope_start_frame(self, cache_tag: str, start_frame: int, num_frames: int) -> int:
         """Temporal RoPE position of the first frame of a chunk of ``num_frames`` frames at ``start_frame``.
 

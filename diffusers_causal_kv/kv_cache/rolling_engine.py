@@ -132,6 +132,10 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         sink, recent = self._held(entry)
         return [r for r in (sink, recent) if len(r)]
 
+    @property
+    def reindexes_positions(self) -> bool:
+        return self.positions == "relative"
+
     def rope_start_frame(self, cache_tag: str, start_frame: int, num_frames: int) -> int:
         if self.positions == "absolute":
             return start_frame
