@@ -9,14 +9,19 @@
   :class:`~diffusers_causal_kv.RollingKVCacheEngine`: it generates chunks as they are asked for, keeps the clean
   latents of the frames the cache holds (bounded like the cache) and re-caches them when the prompt changes.
 
-A re-cache is several forwards; if one raises, the tag is left partially refilled: call :func:`recache` again.
+Failures: :func:`recache` and :meth:`StreamingRollout.switch_prompt` build the new tags in scratch engines and swap
+them in at the end, so an error leaves the old tags as they were. :func:`prefill` and
+:meth:`StreamingRollout.generate` commit chunk by chunk, each chunk atomically: an error leaves the chunks before it
+committed (``next_frame`` says where to continue), and undoes a :func:`prefill` skip that no chunk followed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from .context import CausalContext
 from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
@@ -78,25 +83,27 @@ def prefill(
                 f"prefill(start_frame={start}) on cache tag {cache_tag!r}, which continues at frame {cached}: pass "
                 f"start_frame={cached} (or None), crop the cache first, or skip forward on a RollingKVCacheEngine."
             )
-        for engine in engines.values():
-            engine.skip_to(start, cache_tag)
-    offset = 0
-    for size in sizes:
-        x = latents[:, :, offset:offset + size]
-        if context_noise > 0:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-            x = (1 - context_noise / 1000) * x + context_noise / 1000 * noise
-        cond = {k: None if v is None else v[:, :, offset:offset + size] for k, v in per_frame.items()}
-        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
-        extra = {} if cond["control"] is None else {
-            "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
-        }
-        timestep = torch.full((batch,), float(context_noise), device=x.device, dtype=torch.float32)
-        with CausalContext(transformer, start_frame=start + offset, cache_tag=cache_tag, store_kv=True,
-                           cache_engines=cache_engines):
-            transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                        encoder_hidden_states_image=image_embeds, return_dict=False, **extra)
-        offset += size
+    with contextlib.ExitStack() as skips:
+        if start != cached:
+            for engine in engines.values():
+                skips.enter_context(engine.skipping_to(start, cache_tag))
+        offset = 0
+        for size in sizes:
+            x = latents[:, :, offset:offset + size]
+            if context_noise > 0:
+                noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+                x = (1 - context_noise / 1000) * x + context_noise / 1000 * noise
+            cond = {k: None if v is None else v[:, :, offset:offset + size] for k, v in per_frame.items()}
+            inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
+            extra = {} if cond["control"] is None else {
+                "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
+            }
+            timestep = torch.full((batch,), float(context_noise), device=x.device, dtype=torch.float32)
+            with CausalContext(transformer, start_frame=start + offset, cache_tag=cache_tag, store_kv=True,
+                               cache_engines=cache_engines):
+                transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                            encoder_hidden_states_image=image_embeds, return_dict=False, **extra)
+            offset += size
     return start + num_frames
 
 
@@ -128,6 +135,15 @@ def recache(
     """
     transformer = resolve_transformer(model)
     engines = _engines(transformer, cache_engines)
+    scratch = _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, context_noise,
+                        image_embeds, generator)
+    for branch, engine in engines.items():
+        engine.adopt_tag(scratch[branch], cache_tag)
+
+
+def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, context_noise, image_embeds,
+              generator) -> dict[str, RollingKVCacheEngine]:
+    """Scratch engines holding ``cache_tag`` re-cached under ``prompt_embeds`` (``engines`` untouched)."""
     if not engines or not all(isinstance(e, RollingKVCacheEngine) for e in engines.values()):
         raise TypeError(
             "recache() refills the window of a RollingKVCacheEngine; put one on every branch of "
@@ -150,8 +166,7 @@ def recache(
     if scratch["main"].next_frame(cache_tag) != resume:  # nothing recent held: continue where the rollout was
         for engine in scratch.values():
             engine.skip_to(resume, cache_tag)
-    for branch, engine in engines.items():
-        engine.adopt_tag(scratch[branch], cache_tag)
+    return scratch
 
 
 def recache_schedule(num_frames: int, chunk_frames: int) -> list[int]:
@@ -243,24 +258,35 @@ class StreamingRollout:
     def prefill(self, latents: torch.Tensor) -> None:
         """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating."""
         self._held_parts(self._window)  # frames committed behind this rollout's back: refuse before any work
-        start = self.next_frame
-        for tag, prompt in self.prompts.items():
-            prefill(self.transformer, latents, prompt, cache_tag=tag, chunk_frames=self.chunk_frames,
-                    context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
-        self._remember(start, latents)
+        offset = 0
+        for size in chunk_schedule(latents.shape[2], self.chunk_frames):
+            chunk, start = latents[:, :, offset:offset + size], self.next_frame
+            for tag, prompt in self.prompts.items():
+                prefill(self.transformer, chunk, prompt, cache_tag=tag, chunk_frames=size,
+                        context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
+            self._remember(start, chunk)  # per chunk: an error in a later one leaves this one usable
+            offset += size
 
     def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
         """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
         self._held_parts(self._window)
-        start = self.next_frame
-        result = causal_rollout(
-            self.transformer, noise, self.prompts["pos"], negative_prompt_embeds=self.prompts.get("neg"),
-            guidance_scale=self.guidance_scale, chunk_frames=self.chunk_frames, timesteps=self.timesteps,
-            shift=self.shift, context_noise=self.context_noise, cache_engines=self.cache_engines,
-            generator=self.generator, progress=progress, continue_cache=True,
-        )
-        self._remember(start, result.latents)
-        return result
+        sizes = chunk_schedule(noise.shape[2], self.chunk_frames)
+        chunks, seconds, offset = [], [], 0
+        # One rollout call per chunk, remembering each committed chunk at once, so an interrupted generate() leaves
+        # the stream consistent with its cache (the chunks before the interruption kept).
+        for size in tqdm(sizes, desc="streaming rollout", unit="chunk", disable=not progress):
+            start = self.next_frame
+            result = causal_rollout(
+                self.transformer, noise[:, :, offset:offset + size], self.prompts["pos"],
+                negative_prompt_embeds=self.prompts.get("neg"), guidance_scale=self.guidance_scale, chunk_frames=size,
+                timesteps=self.timesteps, shift=self.shift, context_noise=self.context_noise,
+                cache_engines=self.cache_engines, generator=self.generator, progress=False, continue_cache=True,
+            )
+            self._remember(start, result.latents)
+            chunks.append(result.latents)
+            seconds += result.chunk_seconds
+            offset += size
+        return RolloutOutput(latents=torch.cat(chunks, dim=2), chunk_sizes=sizes, chunk_seconds=seconds)
 
     def switch_prompt(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None) -> None:
         """Use new conditioning from the next chunk on, re-caching the window under it (:func:`recache`): the
@@ -268,10 +294,15 @@ class StreamingRollout:
         new = {"pos": prompt_embeds}
         if negative_prompt_embeds is not None and "neg" in self.prompts:
             new["neg"] = negative_prompt_embeds
-        for tag, prompt in new.items():
-            recache(self.transformer, self._window, prompt, cache_tag=tag, chunk_frames=self.chunk_frames,
-                    context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
-            self.prompts[tag] = prompt
+        engines = _engines(self.transformer, self.cache_engines)
+        # Every tag is re-cached before any is swapped in, so a failure (say, a malformed negative prompt) leaves the
+        # rollout on its old prompts.
+        scratch = {tag: _recached(self.transformer, engines, self._window, prompt, tag, self.chunk_frames,
+                                  self.context_noise, None, self.generator) for tag, prompt in new.items()}
+        for tag, built in scratch.items():
+            for branch, engine in engines.items():
+                engine.adopt_tag(built[branch], tag)
+            self.prompts[tag] = new[tag]
 
     def _remember(self, start: int, latents: torch.Tensor) -> None:
         """Add clean latents of frames ``start...`` and drop those of frames the cache no longer holds."""

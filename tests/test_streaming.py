@@ -246,3 +246,62 @@ def test_continue_cache_on_an_empty_cache_equals_a_fresh_rollout():
     first = stream.generate(noise[:, :, :2]).latents
     rest = stream.generate(noise[:, :, 2:]).latents
     torch.testing.assert_close(torch.cat([first, rest], dim=2), fresh, rtol=0, atol=1e-6)
+
+
+def test_prefill_whose_first_chunk_fails_undoes_its_skip():
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(4, sink_frames=1))
+    text, _ = conditioning(model, batch=1)
+    other, _ = conditioning(model, batch=1, seed=7)
+    prefill(model, _clip(3), text, chunk_frames=1)
+    before = cache_snapshot(model)
+    for latents, prompt, chunk, match in [(_clip(1), other, 1, "other conditioning"),
+                                          (_clip(4), text, 4, "does not fit"),
+                                          (_clip(1, batch=2), text.expand(2, -1, -1), 1, "batch size 1")]:
+        with pytest.raises(ValueError, match=match):
+            prefill(model, latents, prompt, start_frame=5, chunk_frames=chunk)
+        _assert_close_caches(before, cache_snapshot(model), atol=0)
+        assert engine.next_frame("pos") == 3 and engine.held_frames("pos") == [range(0, 1), range(1, 3)]
+    prefill(model, _clip(1), text, start_frame=5)  # the skip itself still works
+    assert engine.held_frames("pos") == [range(0, 1), range(5, 6)]
+
+
+def _stream(model, **kwargs):
+    text, _ = conditioning(model, batch=1)
+    return StreamingRollout(model, text, chunk_frames=1, timesteps=(1000,), **kwargs)
+
+
+def test_switch_prompt_is_all_or_nothing():
+    model = tiny_wan()
+    _install(model, RollingKVCacheEngine(4, sink_frames=1))
+    neg, _ = conditioning(model, batch=1, seed=3)
+    stream = _stream(model, negative_prompt_embeds=neg, guidance_scale=3.0)
+    stream.generate(_clip(3))
+    before, prompts = cache_snapshot(model), dict(stream.prompts)
+    new, _ = conditioning(model, batch=1, seed=5)
+    with pytest.raises(ValueError, match="encoder_hidden_states must be"):
+        stream.switch_prompt(new, torch.randn(1, 12, 7))  # a malformed negative prompt: "pos" must not switch alone
+    _assert_close_caches(before, cache_snapshot(model), atol=0)
+    assert stream.prompts == prompts
+
+
+def test_interrupted_generate_keeps_the_chunks_it_committed():
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(4, sink_frames=1))
+    stream = _stream(model)
+    stream.generate(_clip(1))
+    calls = []
+
+    def interrupt_third_forward(module, args):
+        calls.append(1)
+        if len(calls) == 3:  # chunk 2's denoising pass, after chunk 1's denoising and commit passes
+            raise KeyboardInterrupt
+
+    handle = model.blocks[0].register_forward_pre_hook(interrupt_third_forward)
+    with pytest.raises(KeyboardInterrupt):
+        stream.generate(_clip(3))
+    handle.remove()
+    assert engine.next_frame("pos") == stream.next_frame == 2
+    assert [(start, t.shape[2]) for start, t in stream.window()] == [(0, 1), (1, 1)]
+    assert stream.generate(_clip(2)).latents.shape[2] == 2  # the stream goes on
+    assert engine.next_frame("pos") == 4

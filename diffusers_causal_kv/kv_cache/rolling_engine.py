@@ -57,6 +57,7 @@ Errors
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -213,6 +214,30 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             entry = tags[cache_tag]
             entry.frames = entry.oldest = frame
         info.num_frames = frame
+
+    @contextlib.contextmanager
+    def skipping_to(self, frame: int, cache_tag: str):
+        """:meth:`skip_to` for the enclosed commits, undone if they raise before committing a frame after it (so a
+        :func:`~diffusers_causal_kv.streaming.prefill` whose first chunk fails leaves the tag as it was)."""
+        info = self._tags.get(cache_tag)
+        saved = (info and info.num_frames, self._resume_at.get(cache_tag),
+                 {block_idx: (tags[cache_tag].frames, tags[cache_tag].oldest)
+                  for block_idx, tags in self._self_kv.items() if cache_tag in tags})
+        self.skip_to(frame, cache_tag)
+        try:
+            yield
+        except BaseException:
+            if self.num_frames(cache_tag) == frame:  # only the skip happened: restore the counters it moved
+                num_frames, resume, entries = saved
+                if info is not None and cache_tag in self._tags:
+                    self._tags[cache_tag].num_frames = num_frames
+                for block_idx, (frames, oldest) in entries.items():
+                    entry = self._self_kv[block_idx][cache_tag]
+                    entry.frames, entry.oldest = frames, oldest
+                self._resume_at.pop(cache_tag, None)
+                if resume is not None:
+                    self._resume_at[cache_tag] = resume
+            raise
 
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
         """Keep the first ``num_frames`` committed frames (negative: drop that many newest ones), as
