@@ -315,6 +315,37 @@ def _recomputing(p: ForwardPass):
 def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> ForwardPass:
     """Validate a forward's inputs against the model and the engines (before any work) and describe it as a
     ForwardPass."""
+    batch, num_frames, grid_h, grid_w = check_forward_inputs(transformer, inputs)
+    frame_tokens = grid_h * grid_w
+    mask = None if ctx.mode == "cache" else _sequence_mask(ctx, num_frames, frame_tokens)
+    hidden_states = inputs["hidden_states"]
+    p = ForwardPass(
+        context=ctx,
+        num_frames=num_frames,
+        frame_tokens=frame_tokens,
+        batch_size=batch,
+        dtype=hidden_states.dtype,
+        device=hidden_states.device,
+        conditioning=(inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image")),
+        mask=mask,
+        weights_state=functools.partial(projection_state, transformer),
+    )
+    if mask is None:  # mask modes never touch the cache
+        for engine in p.engines:
+            engine.check_pass(p)
+    # Positions last, so that a start_frame that does not continue the cache is reported as that.
+    # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
+    span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
+    first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
+    _check_rope_range(transformer, first, span, grid_h, grid_w)
+    p.positions = (first + torch.arange(span)).repeat(num_frames // span)
+    return p
+
+
+def check_forward_inputs(transformer: torch.nn.Module, inputs: dict) -> tuple[int, int, int, int]:
+    """Check a forward's inputs against the model alone (no context, no engine): latent shape, timestep,
+    conditioning, VACE control. Returns ``(batch, post-patch frames, grid height, grid width)``. The rollout helpers
+    also call it before clearing the caches."""
     hidden_states = inputs.get("hidden_states")
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 5:
         raise ValueError(
@@ -330,37 +361,14 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
                 f"pad or crop the latents to a multiple of {step}."
             )
     num_frames, grid_h, grid_w = frames // patch[0], height // patch[1], width // patch[2]
-    frame_tokens = grid_h * grid_w
     is_vace = "vace" in branch_blocks(transformer)
-    _check_timestep(inputs.get("timestep"), batch, num_frames * frame_tokens, per_token=not is_vace)
-    mask = None if ctx.mode == "cache" else _sequence_mask(ctx, num_frames, frame_tokens)
-    text = inputs.get("encoder_hidden_states")
-    image = inputs.get("encoder_hidden_states_image")
-    _check_conditioning(transformer, text, image, batch)
+    _check_timestep(inputs.get("timestep"), batch, num_frames * grid_h * grid_w, per_token=not is_vace)
+    _check_conditioning(transformer, inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"),
+                        batch)
     if is_vace:
         _check_control(transformer, hidden_states, inputs.get("control_hidden_states"),
                        inputs.get("control_hidden_states_scale"))
-    p = ForwardPass(
-        context=ctx,
-        num_frames=num_frames,
-        frame_tokens=frame_tokens,
-        batch_size=batch,
-        dtype=hidden_states.dtype,
-        device=hidden_states.device,
-        conditioning=(text, image),
-        mask=mask,
-        weights_state=functools.partial(projection_state, transformer),
-    )
-    if mask is None:  # mask modes never touch the cache
-        for engine in p.engines:
-            engine.check_pass(p)
-    # Positions last, so that a start_frame that does not continue the cache is reported as that.
-    # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
-    span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
-    first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
-    _check_rope_range(transformer, first, span, grid_h, grid_w)
-    p.positions = (first + torch.arange(span)).repeat(num_frames // span)
-    return p
+    return batch, num_frames, grid_h, grid_w
 
 
 def _sequence_mask(ctx, num_frames: int, frame_tokens: int) -> CausalMask:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .context import CausalContext
 from .masks import chunk_schedule
-from .model import clear_caches
+from .model import check_forward_inputs, clear_caches
 
 
 @dataclass
@@ -94,17 +94,23 @@ class _ChunkForwards:
         """The chunk's slices of the per-frame inputs (I2V condition, VACE control)."""
         return {name: None if v is None else v[:, :, start:start + size] for name, v in self.per_frame.items()}
 
+    def inputs(self, x, t, tag, cond) -> dict:
+        """The transformer's keyword arguments for a chunk ``x`` at timestep ``t`` on ``tag``."""
+        inputs = {
+            "hidden_states": x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1),
+            "timestep": torch.full((self.batch,), float(t), device=x.device, dtype=torch.float32),
+            "encoder_hidden_states": self.prompts[tag],
+            "encoder_hidden_states_image": self.image_embeds,
+        }
+        if cond["control"] is not None:
+            inputs.update(control_hidden_states=cond["control"], control_hidden_states_scale=self.control_scale)
+        return inputs
+
     def forward(self, x, t, start, tag, store_kv, cond):
         """One transformer forward on a chunk under its :class:`CausalContext`."""
-        inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
-        extra = {} if cond["control"] is None else {
-            "control_hidden_states": cond["control"], "control_hidden_states_scale": self.control_scale
-        }
-        timestep = torch.full((self.batch,), float(t), device=x.device, dtype=torch.float32)
         with CausalContext(self.transformer, start_frame=self.first_frame + start, cache_tag=tag, store_kv=store_kv,
                            cache_engines=self.cache_engines):
-            return self.transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=self.prompts[tag],
-                                    encoder_hidden_states_image=self.image_embeds, return_dict=False, **extra)[0]
+            return self.transformer(**self.inputs(x, t, tag, cond), return_dict=False)[0]
 
     def flow(self, x, t, start, cond):
         """The (guided) flow prediction for a chunk at timestep ``t``."""
@@ -122,11 +128,17 @@ class _ChunkForwards:
         """``x0`` noised to level ``sigma`` with fresh noise (the flow-matching forward process)."""
         return (1 - sigma) * x0 + sigma * self.randn_like(x0)
 
-    def check_rope_range(self) -> None:
-        """Fail before any work (a fresh rollout: before clearing the caches) when the rollout would run past the
-        RoPE table. Engines that re-index positions inside a window are not bounded by it."""
+    def check(self, noise) -> None:
+        """Fail before any work (a fresh rollout: before clearing the caches) if the rollout cannot run: inputs the
+        model refuses (checked on the first chunk of every tag), a chunk schedule an engine cannot hold, or frames
+        past the RoPE table."""
+        cond = self.chunk_inputs(0, self.sizes[0])
+        for tag in self.prompts:
+            check_forward_inputs(self.transformer, self.inputs(noise[:, :, :self.sizes[0]], 0.0, tag, cond))
         engines = self.cache_engines or getattr(self.transformer, "kv_cache_engines", None) or {}
-        if any(e.reindexes_positions for e in engines.values()):
+        for engine in engines.values():
+            engine.check_schedule(self.first_frame, self.sizes)
+        if any(e.reindexes_positions for e in engines.values()):  # not bounded by the RoPE table
             return
         end, max_len = self.first_frame + sum(self.sizes), self.transformer.rope.max_seq_len
         if end > max_len:
@@ -204,7 +216,7 @@ def causal_rollout(
     if continue_cache:
         engines = run.cache_engines or getattr(run.transformer, "kv_cache_engines", None) or {}
         run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
-    run.check_rope_range()
+    run.check(noise)
     if not continue_cache:
         run.clear()
     outputs, seconds, start = [], [], 0
@@ -276,7 +288,7 @@ def self_forcing_rollout(
                          condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
     exits = _exit_steps(exit_step, len(timesteps), len(run.sizes), generator)
     sigmas = shifted_sigmas(timesteps, shift).tolist()
-    run.check_rope_range()
+    run.check(noise)
     run.clear()
     outputs, seconds, start = [], [], 0
     for size, exit_at in zip(tqdm(run.sizes, desc="self-forcing rollout", unit="chunk", disable=not progress),

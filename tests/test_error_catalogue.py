@@ -548,6 +548,19 @@ def rolling_chunk_longer_than_window():
     return model, lambda: forward(model, _x(4), ZERO, text, start_frame=2, store_kv=True)
 
 
+@case(ValueError, "does not fit RollingKVCacheEngine(", "at most 3 frames")
+def fresh_rollout_chunks_longer_than_window():  # checked before the fresh rollout clears the caches
+    model, text = _t2v(engine=RollingKVCacheEngine(3))
+    return model, lambda: causal_rollout(model, _x(4), text, chunk_frames=4, timesteps=(1000,), progress=False)
+
+
+@case(ValueError, "(the text encoder's output)", r"got \(1, 12, 7\)")
+def fresh_rollout_with_a_malformed_prompt():
+    model, _ = _t2v()
+    return model, lambda: self_forcing_rollout(model, _x(2), torch.randn(1, 12, 7), chunk_frames=1,
+                                               timesteps=(1000,))
+
+
 @case(ValueError, "numbers the window's frames", "use window_frames <= 4")
 def rolling_relative_window_past_rope_table():
     model, text = _t2v(rope_max_seq_len=4)
@@ -576,6 +589,12 @@ def static_max_frames_not_positive():
 def static_chunk_past_max_frames():
     model, text = _t2v(engine=StaticKVCacheEngine(max_frames=3))
     return model, lambda: forward(model, _x(2), ZERO, text, start_frame=2, store_kv=True)
+
+
+@case(ValueError, "StaticKVCacheEngine holds at most", r"StaticKVCacheEngine\(max_frames=4\)")
+def fresh_rollout_past_max_frames():
+    model, text = _t2v(engine=StaticKVCacheEngine(max_frames=3))
+    return model, lambda: causal_rollout(model, _x(4), text, chunk_frames=2, timesteps=(1000,), progress=False)
 
 
 @case(ValueError, "to a static buffer holding", "appending 8 tokens to a static buffer holding 8 of 12")

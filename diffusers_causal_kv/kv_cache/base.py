@@ -235,6 +235,10 @@ class BaseKVCacheEngine:
         self._tags.clear()
 
     # ------------------------------------------------------------------ the pass protocol
+    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        """Raise if chunks of ``sizes`` frames from ``first_frame`` on cannot run on this engine; the rollout helpers
+        ask before they clear or commit anything. Append-only engines without a bound take any schedule."""
+
     def check_pass(self, p: ForwardPass) -> None:
         """Raise if the forward ``p`` does not continue its tag's cache. Called before any work."""
         tag, info = p.cache_tag, self._tags.get(p.cache_tag)

@@ -286,19 +286,25 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     # ------------------------------------------------------------------ the pass protocol
     def check_pass(self, p: ForwardPass) -> None:
         super().check_pass(p)
-        room = self.window_frames - self.sink_frames
-        if p.num_frames > room:
-            raise ValueError(
-                f"chunk of {p.num_frames} latent frames does not fit RollingKVCacheEngine(window_frames="
-                f"{self.window_frames}, sink_frames={self.sink_frames}): a chunk attends to the sink, recent frames "
-                f"and itself within the window, so it may have at most {room} frames; use smaller chunks or a "
-                "larger window."
-            )
+        self._check_chunk(p.num_frames)
         max_len = p.context.transformer.rope.max_seq_len
         if self.positions == "relative" and self.window_frames > max_len:
             raise ValueError(
                 f"RollingKVCacheEngine(positions='relative') numbers the window's frames 0..{self.window_frames - 1}, "
                 f"but the RoPE table has {max_len} positions (rope_max_seq_len); use window_frames <= {max_len}."
+            )
+
+    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        self._check_chunk(max(sizes))
+
+    def _check_chunk(self, num_frames: int) -> None:
+        room = self.window_frames - self.sink_frames
+        if num_frames > room:
+            raise ValueError(
+                f"chunk of {num_frames} latent frames does not fit RollingKVCacheEngine(window_frames="
+                f"{self.window_frames}, sink_frames={self.sink_frames}): a chunk attends to the sink, recent frames "
+                f"and itself within the window, so it may have at most {room} frames; use smaller chunks or a "
+                "larger window."
             )
 
     def self_attention_qkv(self, block_idx: int, p: ForwardPass, query, key, value, rotary_emb):

@@ -75,13 +75,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def check_pass(self, p: ForwardPass) -> None:
         """The base checks, the capacity check, then the views the pass writes and reads (no state changes)."""
         super().check_pass(p)
-        end_frame = p.start_frame + p.num_frames
-        if end_frame > self.max_frames:
-            raise ValueError(
-                f"chunk covers latent frames {p.start_frame}..{end_frame - 1} but this StaticKVCacheEngine holds at "
-                f"most {self.max_frames} frames per tag; build it with StaticKVCacheEngine(max_frames={end_frame}) "
-                "or more, shorten the rollout, or use a rolling engine."
-            )
+        self._check_capacity(p.start_frame, p.num_frames)
         self._pass_views.pop(p.cache_tag, None)
         if torch.is_grad_enabled():
             return
@@ -95,6 +89,18 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             views[block_idx] = PassViews(entry.keys[:, :end], entry.values[:, :end])
         if views:
             self._pass_views[p.cache_tag] = views
+
+    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        self._check_capacity(first_frame + sum(sizes[:-1]), sizes[-1])
+
+    def _check_capacity(self, start_frame: int, num_frames: int) -> None:
+        end_frame = start_frame + num_frames
+        if end_frame > self.max_frames:
+            raise ValueError(
+                f"chunk covers latent frames {start_frame}..{end_frame - 1} but this StaticKVCacheEngine holds at "
+                f"most {self.max_frames} frames per tag; build it with StaticKVCacheEngine(max_frames={end_frame}) "
+                "or more, shorten the rollout, or use a rolling engine."
+            )
 
     def attention_kv(self, block_idx: int, p: ForwardPass, key: torch.Tensor, value: torch.Tensor):
         """No-grad passes with buffers: write the chunk in place after the prefix and return views of the buffers.
