@@ -31,9 +31,9 @@ def _engine_tensors(engine):
 
 def _assert_flat(counts: list[tuple[int, int]]) -> None:
     """Live objects and tensors after WARMUP chunks and at the end: no growth per chunk (a leak of one object per
-    chunk would add hundreds; a few objects of slack for interpreter caches)."""
+    chunk would add hundreds; a little slack for interpreter caches and lazily built tables)."""
     (objects_start, tensors_start), (objects_end, tensors_end) = counts[0], counts[-1]
-    assert tensors_end <= tensors_start, counts
+    assert tensors_end - tensors_start < 10, counts
     assert objects_end - objects_start < 50, counts
 
 

@@ -242,7 +242,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
         """Keep the first ``num_frames`` committed frames (negative: drop that many newest ones), as
         :meth:`BaseKVCacheEngine.crop`. Only frames still held can become the newest again: the tag may be cropped
-        into its sink or to any frame from its oldest held recent frame on, not into the evicted frames between."""
+        into its sink or to any frame from its oldest held recent frame on, not into the evicted frames between.
+        Without ``cache_tag``, tags that were only skipped forward (nothing committed) are left as they are."""
         targets = [cache_tag] if cache_tag is not None else self.tags()
         for tag in targets:
             entry = self._any_entry(tag)
