@@ -33,6 +33,7 @@ _OPEN_CONTEXTS: ContextVar[Mapping[int, CausalContext]] = ContextVar(
     "causal_kv_open_contexts", default=MappingProxyType({})
 )
 _RUNNING_PASS: ContextVar[ForwardPass | None] = ContextVar("causal_kv_running_pass", default=None)
+_DEFERRED_COMMITS: ContextVar[list[ForwardPass] | None] = ContextVar("causal_kv_deferred_commits", default=None)
 
 
 class CausalContext:
@@ -264,9 +265,18 @@ class ForwardPass:
         return self._weights
 
     def commit(self) -> None:
-        """Write what this ``store_kv=True`` forward staged into every engine."""
+        """Write what this ``store_kv=True`` forward staged into every engine, or, inside :func:`commits_together`,
+        hold it for the block's end."""
         if not self.store_kv:
             return
+        self._check_staged()
+        deferred = _DEFERRED_COMMITS.get()
+        if deferred is None:
+            _commit_passes([self])
+        else:
+            deferred.append(self)
+
+    def _check_staged(self) -> None:
         for engine in self.engines:
             staged = self._staged.get(id(engine), (engine, None))[1]
             blocks = engine.num_blocks
@@ -277,19 +287,6 @@ class ForwardPass:
                     "so nothing was committed. A hook that skips blocks (e.g. diffusers' enable_cache) cannot be "
                     "combined with store_kv=True; disable it for commit passes."
                 )
-        # Two phases, so that a failure (out of memory while allocating a new tag's storage) in any engine leaves
-        # every engine as it was: first every engine allocates, then every engine writes.
-        prepared = []
-        try:
-            for engine, staged in self._staged.values():
-                engine.prepare_commit(self, staged)
-                prepared.append((engine, staged))
-        except BaseException:
-            for engine, staged in prepared:
-                engine.abort_commit(self, staged)
-            raise
-        for engine, staged in self._staged.values():
-            engine.commit(self, staged)
 
     @contextlib.contextmanager
     def running(self, recomputing: bool = False):
@@ -301,6 +298,39 @@ class ForwardPass:
         finally:
             self.recomputing = previous
             _RUNNING_PASS.reset(token)
+
+
+def _commit_passes(passes: list[ForwardPass]) -> None:
+    """Write what ``passes`` staged in two phases, so that a failure (out of memory while allocating a new tag's
+    storage) in any engine of any pass leaves every engine as it was: first every engine allocates, then every engine
+    writes."""
+    work = [(p, engine, staged) for p in passes for engine, staged in p._staged.values()]
+    prepared = []
+    try:
+        for p, engine, staged in work:
+            engine.prepare_commit(p, staged)
+            prepared.append((p, engine, staged))
+    except BaseException:
+        for p, engine, staged in reversed(prepared):
+            engine.abort_commit(p, staged)
+        raise
+    for p, engine, staged in work:
+        engine.commit(p, staged)
+
+
+@contextlib.contextmanager
+def commits_together():
+    """Hold the commits of the ``store_kv=True`` forwards run in the block and write them all when it exits without
+    an error, or none of them: the rollout helpers commit a chunk on every tag (``"pos"``, ``"neg"``) this way, so a
+    failure on one tag cannot leave the tags at different frames. Each forward must use its own tag (a held commit
+    is not visible to later forwards of the block)."""
+    held: list[ForwardPass] = []
+    token = _DEFERRED_COMMITS.set(held)
+    try:
+        yield
+    finally:
+        _DEFERRED_COMMITS.reset(token)
+    _commit_passes(held)
 
 
 @contextlib.contextmanager

@@ -337,7 +337,7 @@ def build_forward_pass(transformer: torch.nn.Module, ctx, inputs: dict) -> Forwa
     # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
     span = num_frames // 2 if ctx.mode == "teacher_forcing" else num_frames
     first = ctx.start_frame if mask is not None else _rope_start_frame(ctx, num_frames)
-    _check_rope_range(transformer, first, span, grid_h, grid_w)
+    _check_rope_range(transformer, first, span)
     p.positions = (first + torch.arange(span)).repeat(num_frames // span)
     return p
 
@@ -361,6 +361,12 @@ def check_forward_inputs(transformer: torch.nn.Module, inputs: dict) -> tuple[in
                 f"pad or crop the latents to a multiple of {step}."
             )
     num_frames, grid_h, grid_w = frames // patch[0], height // patch[1], width // patch[2]
+    max_len = transformer.rope.max_seq_len
+    if max(grid_h, grid_w) > max_len:
+        raise ValueError(
+            f"post-patch grid {grid_h}x{grid_w} exceeds rope_max_seq_len={max_len}; use smaller latents or a model "
+            "with a larger rope_max_seq_len."
+        )
     is_vace = "vace" in branch_blocks(transformer)
     _check_timestep(inputs.get("timestep"), batch, num_frames * grid_h * grid_w, per_token=not is_vace)
     _check_conditioning(transformer, inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"),
@@ -422,18 +428,13 @@ def _rope_start_frame(ctx, num_frames: int) -> int:
     return starts.pop()
 
 
-def _check_rope_range(transformer, start_frame: int, num_frames: int, grid_h: int, grid_w: int) -> None:
+def _check_rope_range(transformer, start_frame: int, num_frames: int) -> None:
     max_len = transformer.rope.max_seq_len
     if start_frame + num_frames > max_len:
         raise ValueError(
             f"chunk covers latent frames {start_frame}..{start_frame + num_frames - 1} but the RoPE table has "
             f"{max_len} positions (rope_max_seq_len); shorten the rollout, build the model with a larger "
             "rope_max_seq_len, or use an engine that re-indexes positions."
-        )
-    if max(grid_h, grid_w) > max_len:
-        raise ValueError(
-            f"post-patch grid {grid_h}x{grid_w} exceeds rope_max_seq_len={max_len}; use smaller latents or a model "
-            "with a larger rope_max_seq_len."
         )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .context import CausalContext
+from .context import CausalContext, commits_together
 from .masks import chunk_schedule
 from .model import check_forward_inputs, clear_caches
 
@@ -138,6 +138,12 @@ class _ChunkForwards:
         engines = self.cache_engines or getattr(self.transformer, "kv_cache_engines", None) or {}
         for engine in engines.values():
             engine.check_schedule(self.first_frame, self.sizes)
+        if len({e.reindexes_positions for e in engines.values()}) > 1:  # a forward finds it only at an eviction
+            raise ValueError(
+                "the engines of this transformer place the chunk at different RoPE positions (relative and absolute "
+                "ones), but one rotary embedding serves every branch; give every branch the same kind of engine and "
+                "positions."
+            )
         if any(e.reindexes_positions for e in engines.values()):  # not bounded by the RoPE table
             return
         end, max_len = self.first_frame + sum(self.sizes), self.transformer.rope.max_seq_len
@@ -152,7 +158,7 @@ class _ChunkForwards:
         """Commit a clean chunk on every tag, re-noised to ``context_noise`` (timestep units) when above 0."""
         if context_noise > 0:
             x = self.renoise(x, context_noise / 1000)
-        with torch.no_grad():
+        with torch.no_grad(), commits_together():  # every tag or none, so the tags never disagree
             for tag in self.prompts:
                 self.forward(x, context_noise, start, tag, True, cond)
 

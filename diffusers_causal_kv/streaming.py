@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .context import CausalContext
+from .context import CausalContext, commits_together
 from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
 from .masks import chunk_schedule
 from .model import clear_caches
-from .rollout import RolloutOutput, causal_rollout, resolve_transformer
+from .rollout import RolloutOutput, _ChunkForwards, causal_rollout, resolve_transformer
 
 
 def _engines(transformer: torch.nn.Module, cache_engines: dict | None) -> dict[str, BaseKVCacheEngine]:
@@ -261,16 +261,24 @@ class StreamingRollout:
         offset = 0
         for size in chunk_schedule(latents.shape[2], self.chunk_frames):
             chunk, start = latents[:, :, offset:offset + size], self.next_frame
-            for tag, prompt in self.prompts.items():
-                prefill(self.transformer, chunk, prompt, cache_tag=tag, chunk_frames=size,
-                        context_noise=self.context_noise, cache_engines=self.cache_engines, generator=self.generator)
+            with commits_together():  # every tag or none
+                for tag, prompt in self.prompts.items():
+                    prefill(self.transformer, chunk, prompt, cache_tag=tag, chunk_frames=size,
+                            context_noise=self.context_noise, cache_engines=self.cache_engines,
+                            generator=self.generator)
             self._remember(start, chunk)  # per chunk: an error in a later one leaves this one usable
             offset += size
 
     def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
         """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
         self._held_parts(self._window)
-        sizes = chunk_schedule(noise.shape[2], self.chunk_frames)
+        # The whole request is checked before the first chunk (RoPE range, engine capacity, inputs), as one
+        # causal_rollout call would.
+        run = _ChunkForwards(self.transformer, noise, self.prompts["pos"], self.prompts.get("neg"),
+                             self.guidance_scale, self.chunk_frames, None, None, None, None, self.cache_engines, None)
+        run.first_frame = self.next_frame
+        run.check(noise)
+        sizes = run.sizes
         chunks, seconds, offset = [], [], 0
         # One rollout call per chunk, remembering each committed chunk at once, so an interrupted generate() leaves
         # the stream consistent with its cache (the chunks before the interruption kept).

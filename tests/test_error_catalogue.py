@@ -418,6 +418,21 @@ def grid_past_rope_table():
     return model, lambda: forward(model, _x(1, h=10, w=10), T, text, start_frame=0, cache_tag="other")
 
 
+@case(ValueError, "place the chunk at different RoPE positions", "relative and absolute")
+def rollout_on_branches_of_mixed_positions():  # refused before the rollout clears or commits anything
+    engines = {"main": RollingKVCacheEngine(3, positions="relative"), "vace": RollingKVCacheEngine(3)}
+    model, text = _vace(engines=engines)
+    return model, lambda: causal_rollout(model, _x(2), text, chunk_frames=1, timesteps=(1000,), progress=False,
+                                         control_latents=_control(2))
+
+
+@case(ValueError, "exceeds rope_max_seq_len", "grid 5x5")
+def fresh_rollout_grid_past_rope_table():
+    model, text = _t2v(rope_max_seq_len=4)
+    return model, lambda: causal_rollout(model, _x(1, h=10, w=10), text, chunk_frames=1, timesteps=(1000,),
+                                         progress=False)
+
+
 @case(ValueError, "place the chunk at different RoPE positions", r"\[2, 3\]")
 def branches_disagree_on_positions():
     model, text = _vace(frames=3, engines={"main": RollingKVCacheEngine(3, positions="relative"),

@@ -305,3 +305,41 @@ def test_interrupted_generate_keeps_the_chunks_it_committed():
     assert [(start, t.shape[2]) for start, t in stream.window()] == [(0, 1), (1, 1)]
     assert stream.generate(_clip(2)).latents.shape[2] == 2  # the stream goes on
     assert engine.next_frame("pos") == 4
+
+
+def test_a_commit_failing_on_one_tag_commits_no_tag():
+    """CFG commits a chunk on "pos" and "neg" together: an out-of-memory on the "neg" allocation leaves both tags
+    (and the stream) at the previous chunk, and the stream goes on."""
+    model = tiny_wan()
+    engine = _install(model, RollingKVCacheEngine(5, 1))
+    neg, _ = conditioning(model, batch=1, seed=5)
+    stream = _stream(model, negative_prompt_embeds=neg, guidance_scale=3.0)
+    stream.generate(_clip(2))
+    before = cache_snapshot(model)
+    prepare = RollingKVCacheEngine.prepare_commit
+
+    def out_of_memory_on_neg(self, p, staged):
+        if p.cache_tag == "neg":
+            raise torch.OutOfMemoryError("simulated")
+        return prepare(self, p, staged)
+
+    RollingKVCacheEngine.prepare_commit = out_of_memory_on_neg
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            stream.generate(_clip(1))
+    finally:
+        RollingKVCacheEngine.prepare_commit = prepare
+    _assert_close_caches(before, cache_snapshot(model), atol=0)
+    assert engine.num_frames("pos") == engine.num_frames("neg") == stream.next_frame == 2
+    stream.generate(_clip(1))
+    stream.switch_prompt(neg, neg)
+    assert engine.num_frames("pos") == engine.num_frames("neg") == 3
+
+
+def test_generate_checks_the_whole_request_first():
+    model = tiny_wan(rope_max_seq_len=4)
+    engine = _install(model, RollingKVCacheEngine(5, 1))
+    stream = _stream(model)
+    with pytest.raises(ValueError, match=r"covers latent frames 0\.\.5 but the RoPE table has 4"):
+        stream.generate(_clip(6))
+    assert engine.num_frames("pos") == stream.next_frame == 0 and stream.window() == []

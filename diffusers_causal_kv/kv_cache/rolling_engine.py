@@ -165,16 +165,17 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         self._resume_at.pop(cache_tag, None)
 
     def empty_like(self) -> RollingKVCacheEngine:
-        """A new, empty engine with this one's window, sink and positions."""
-        return RollingKVCacheEngine(self.window_frames, self.sink_frames, self.positions)
+        """A new, empty engine of this class with this one's window, sink and positions (a subclass taking other
+        constructor arguments overrides it)."""
+        return type(self)(self.window_frames, self.sink_frames, self.positions)
 
     def adopt_tag(self, other: RollingKVCacheEngine, cache_tag: str) -> None:
         """Replace ``cache_tag``'s entries by those ``other`` holds (an :meth:`empty_like` engine of the same branch
         that served the same transformer); ``other`` loses them. :func:`~diffusers_causal_kv.streaming.recache` builds
         the new tag there, so a failure part-way leaves this engine untouched."""
         shape = (self.window_frames, self.sink_frames, self.positions)
-        if (other.window_frames, other.sink_frames, other.positions) != shape or other._module_to_block not in (
-                {}, self._module_to_block):
+        if type(other) is not type(self) or (other.window_frames, other.sink_frames, other.positions) != shape or (
+                other._module_to_block not in ({}, self._module_to_block)):
             raise ValueError(
                 f"adopt_tag() takes the tag of an engine of the same window, sink and positions {shape} that served "
                 "the same blocks; build it with empty_like()."
