@@ -33,7 +33,7 @@ _OPEN_CONTEXTS: ContextVar[Mapping[int, CausalContext]] = ContextVar(
     "causal_kv_open_contexts", default=MappingProxyType({})
 )
 _RUNNING_PASS: ContextVar[ForwardPass | None] = ContextVar("causal_kv_running_pass", default=None)
-_DEFERRED_COMMITS: ContextVar[list[ForwardPass] | None] = ContextVar("causal_kv_deferred_commits", default=None)
+_DEFERRED_COMMITS: ContextVar[_HeldCommits | None] = ContextVar("causal_kv_deferred_commits", default=None)
 
 
 class CausalContext:
@@ -271,7 +271,7 @@ class ForwardPass:
             return
         self._check_staged()
         deferred = _DEFERRED_COMMITS.get()
-        if deferred is None:
+        if deferred is None or deferred.closed:
             _commit_passes([self])
         else:
             deferred.append(self)
@@ -324,13 +324,22 @@ def commits_together():
     an error, or none of them: the rollout helpers commit a chunk on every tag (``"pos"``, ``"neg"``) this way, so a
     failure on one tag cannot leave the tags at different frames. Each forward must use its own tag (a held commit
     is not visible to later forwards of the block)."""
-    held: list[ForwardPass] = []
+    outer = _DEFERRED_COMMITS.get()
+    if outer is not None:  # nested: the outermost block commits
+        yield
+        return
+    held = _HeldCommits()
     token = _DEFERRED_COMMITS.set(held)
     try:
         yield
     finally:
         _DEFERRED_COMMITS.reset(token)
+        held.closed = True  # a context copied inside the block (a task it started) then commits at once
     _commit_passes(held)
+
+
+class _HeldCommits(list):
+    closed = False
 
 
 @contextlib.contextmanager

@@ -5,7 +5,13 @@ import pytest
 import torch
 from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_vace, tiny_wan
 
-from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor
+from diffusers_causal_kv import (
+    CausalContext,
+    CausalWanAttnProcessor,
+    RollingKVCacheEngine,
+    StaticKVCacheEngine,
+    context,
+)
 
 pytestmark = pytest.mark.usefixtures("make_engine")  # run every test on each engine
 
@@ -86,3 +92,62 @@ def test_fault_in_a_denoising_pass_changes_nothing():
         forward(model, torch.randn(2, 16, 1, 4, 4), torch.full((2,), 500.0), text, start_frame=2)
     handle.remove()
     assert_same_snapshot(before, cache_snapshot(model))
+
+
+@pytest.mark.parametrize("make", [lambda: StaticKVCacheEngine(max_frames=8), lambda: RollingKVCacheEngine(4, 1)],
+                         ids=["static", "rolling"])
+def test_out_of_memory_allocating_a_later_block_on_a_first_commit(make, monkeypatch):
+    """Engines that preallocate a tag's self K/V do it in the prepare phase: running out of memory at the second
+    block's buffers leaves no block written, and the retry equals a commit that never failed."""
+    model, twin = (tiny_wan(layers=3) for _ in range(2))
+    for m in (model, twin):
+        m.kv_cache_engines = {"main": make()}
+        m.set_attn_processor(CausalWanAttnProcessor())
+    text, _ = conditioning(model)
+    x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    committing, allocations = [], []
+    commit_passes, new_empty = context._commit_passes, torch.Tensor.new_empty
+
+    def tracked_commit(passes):
+        committing.append(True)
+        try:
+            commit_passes(passes)
+        finally:
+            committing.pop()
+
+    def failing_new_empty(self, *args, **kwargs):
+        if committing:
+            allocations.append(args)
+            if len(allocations) == 3:  # block 0 got keys and values; block 1's keys run out of memory
+                raise torch.OutOfMemoryError("simulated")
+        return new_empty(self, *args, **kwargs)
+
+    monkeypatch.setattr(context, "_commit_passes", tracked_commit)
+    monkeypatch.setattr(torch.Tensor, "new_empty", failing_new_empty)
+    with pytest.raises(torch.OutOfMemoryError):
+        forward(model, x, torch.zeros(2), text, store_kv=True)
+    monkeypatch.undo()
+    engine = model.kv_cache_engines["main"]
+    assert engine.tags() == [] and engine.memory_bytes() == 0
+    assert all(not tags for tags in engine._self_kv.values())
+    for m in (model, twin):
+        forward(m, x, torch.zeros(2), text, store_kv=True)
+    assert_same_snapshot(cache_snapshot(twin), cache_snapshot(model))
+
+
+def test_commits_together_writes_every_held_commit_at_the_outermost_exit_or_none():
+    model = _model(vace=False)
+    text, _ = conditioning(model)
+    engine = model.kv_cache_engines["main"]
+    x = torch.randn(2, 16, 2, 4, 4)
+    with pytest.raises(RuntimeError, match="after the first tag"), context.commits_together():
+        forward(model, x, torch.zeros(2), text, cache_tag="pos", store_kv=True)
+        raise RuntimeError("after the first tag")
+    assert engine.tags() == []
+    with context.commits_together():
+        with context.commits_together():
+            forward(model, x, torch.zeros(2), text, cache_tag="pos", store_kv=True)
+        assert engine.tags() == []  # held by the outer block
+        forward(model, x, torch.zeros(2), text, cache_tag="neg", store_kv=True)
+        assert engine.tags() == []
+    assert engine.num_frames("pos") == engine.num_frames("neg") == 2

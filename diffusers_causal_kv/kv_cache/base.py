@@ -308,11 +308,14 @@ class BaseKVCacheEngine:
 
     def prepare_commit(self, p: ForwardPass, staged: StagedKV) -> None:
         """First half of a commit: allocate what :meth:`commit` writes into (the only step that may run out of
-        memory). Undone by :meth:`abort_commit` if another engine of the same forward fails to prepare."""
+        memory): the tag's entries and, on its first commit, the self-attention storage of engines that preallocate
+        it. Undone by :meth:`abort_commit` if another engine of the same forward fails to prepare."""
         info = TagInfo(p.batch_size, p.dtype, p.device, p.frame_tokens, weights=p.weights_fingerprint())
         staged.created_tag = p.cache_tag not in self._tags
         try:
             self.ensure_capacity(p.cache_tag, info, staged.cross_kv)
+            for block_idx, (key, value) in staged.self_kv.items():
+                self._self_allocate(self._self_kv[block_idx][p.cache_tag], key, value)
         except BaseException:
             self.abort_commit(p, staged)
             raise
@@ -343,6 +346,10 @@ class BaseKVCacheEngine:
     # ------------------------------------------------------------------ engine-specific self payload
     def _self_new_entry(self, info: TagInfo) -> Any:
         raise NotImplementedError
+
+    def _self_allocate(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Allocate the entry's storage for chunks shaped like ``key``/``value`` if it has none (default: nothing to
+        preallocate)."""
 
     def _self_append(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
         raise NotImplementedError

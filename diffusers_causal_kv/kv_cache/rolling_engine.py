@@ -271,16 +271,6 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             for tags in self._self_kv.values():
                 tags[cache_tag].frames = tags[cache_tag].oldest = start
 
-    def prepare_commit(self, p: ForwardPass, staged: StagedKV) -> None:
-        """Also allocate the ring buffers of a tag's first commit (the head shape is known from now on)."""
-        super().prepare_commit(p, staged)
-        try:
-            for block_idx, (key, value) in staged.self_kv.items():
-                self._allocate(self._self_kv[block_idx][p.cache_tag], key, value)
-        except BaseException:
-            self.abort_commit(p, staged)
-            raise
-
     def commit(self, p: ForwardPass, staged: StagedKV) -> None:
         super().commit(p, staged)
         self._resume_at.pop(p.cache_tag, None)
@@ -388,14 +378,14 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     def _self_new_entry(self, info: TagInfo) -> RingEntry:
         return RingEntry(frame_tokens=info.frame_tokens, frames=0, oldest=self.sink_frames)
 
-    def _allocate(self, entry: RingEntry, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _self_allocate(self, entry: RingEntry, key: torch.Tensor, value: torch.Tensor) -> None:
         if entry.keys is None:
             shape = (key.shape[0], (self.window_frames - 1) * entry.frame_tokens, *key.shape[2:])
             entry.keys, entry.values = key.new_empty(shape), value.new_empty(shape)
 
     def _self_append(self, entry: RingEntry, key: torch.Tensor, value: torch.Tensor) -> None:
         tokens = entry.frame_tokens
-        self._allocate(entry, key, value)
+        self._self_allocate(entry, key, value)
         start, stop = entry.frames, entry.frames + key.shape[1] // tokens
         sink = range(start, min(stop, self.sink_frames))
         recent = range(max(start, self.sink_frames, stop - self._ring_frames), stop)

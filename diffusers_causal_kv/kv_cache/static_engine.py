@@ -12,7 +12,8 @@ Reads and writes
       since that forward already wrote its chunk in place, the commit copies nothing.
     * Grad-enabled passes attend over fresh tensors (a clone of the prefix concatenated with the chunk), so no view
       that a live autograd graph saved is overwritten by a later write, commit or crop.
-    * The first chunk of a tag attends over its own K/V; its commit allocates the buffers and copies it in.
+    * The first chunk of a tag attends over its own K/V; its commit allocates the buffers (in the prepare phase,
+      so an out-of-memory leaves nothing behind) and copies it in.
 
     The views of a pass are prepared by :meth:`StaticKVCacheEngine.check_pass`, outside the transformer blocks: code
     compiled with ``torch.compile`` then only sees tensors whose shapes change per chunk (one dynamic-shape
@@ -129,11 +130,14 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
     def _self_new_entry(self, info: TagInfo) -> StaticBuffers:
         return StaticBuffers(capacity=self.max_frames * info.frame_tokens)
 
-    def _self_append(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
-        if entry.keys is None:
+    def _self_allocate(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
+        if entry.keys is None:  # the tag's first commit, in its prepare phase
             shape = (key.shape[0], entry.capacity, *key.shape[2:])
             entry.keys = key.new_empty(shape)
             entry.values = value.new_empty(shape)
+
+    def _self_append(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._self_allocate(entry, key, value)
         start, end = entry.len, entry.len + key.shape[1]
         if end > entry.capacity:  # check_pass refuses such passes; this guards direct calls
             raise ValueError(
