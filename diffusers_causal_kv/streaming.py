@@ -274,8 +274,12 @@ class StreamingRollout:
         self._held_parts(self._window)
         # The whole request is checked before the first chunk (RoPE range, engine capacity, inputs), as one
         # causal_rollout call would.
-        run = _ChunkForwards(self.transformer, noise, self.prompts["pos"], self.prompts.get("neg"),
-                             self.guidance_scale, self.chunk_frames, None, None, None, None, self.cache_engines, None)
+        run = _ChunkForwards(
+            self.transformer, noise, self.prompts["pos"], negative_prompt_embeds=self.prompts.get("neg"),
+            guidance_scale=self.guidance_scale, chunk_frames=self.chunk_frames, condition_latents=None,
+            image_embeds=None, control_latents=None, control_scale=None, cache_engines=self.cache_engines,
+            generator=None,
+        )
         run.first_frame = self.next_frame
         run.check(noise)
         sizes = run.sizes

@@ -221,15 +221,14 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         """:meth:`skip_to` for the enclosed commits, undone if they raise before committing a frame after it (so a
         :func:`~diffusers_causal_kv.streaming.prefill` whose first chunk fails leaves the tag as it was)."""
         info = self._tags.get(cache_tag)
-        saved = (info and info.num_frames, self._resume_at.get(cache_tag),
-                 {block_idx: (tags[cache_tag].frames, tags[cache_tag].oldest)
-                  for block_idx, tags in self._self_kv.items() if cache_tag in tags})
+        num_frames, resume = self.num_frames(cache_tag), self._resume_at.get(cache_tag)
+        entries = {block_idx: (tags[cache_tag].frames, tags[cache_tag].oldest)
+                   for block_idx, tags in self._self_kv.items() if cache_tag in tags}
         self.skip_to(frame, cache_tag)
         try:
             yield
         except BaseException:
             if self.num_frames(cache_tag) == frame:  # only the skip happened: restore the counters it moved
-                num_frames, resume, entries = saved
                 if info is not None and cache_tag in self._tags:
                     self._tags[cache_tag].num_frames = num_frames
                 for block_idx, (frames, oldest) in entries.items():
