@@ -25,29 +25,26 @@ import argparse
 import copy
 import datetime
 import json
-import math
 import platform
 import resource
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from diffusers_causal_kv import (  # noqa: E402
+from diffusers_causal_kv import (
     CausalContext,
     CausalWanAttnProcessor,
     StaticKVCacheEngine,
     VanillaKVCacheEngine,
+    chunk_schedule,
 )
-from diffusers_causal_kv.positions import apply_rotary_emb, rope_for_frames  # noqa: E402
+from diffusers_causal_kv.rotary import apply_rotary_emb, rope_for_frames
+from diffusers_causal_kv.testing import MaskedStockProcessor, tiny_wan
 
 
 @dataclass(frozen=True)
@@ -94,22 +91,12 @@ TARGETS = {"static_vs_ideal": 1.05, "installed_no_context_vs_stock": 1.02}
 
 # ---------------------------------------------------------------------------------------------------- model
 def build_model(preset: Preset, device: str, dtype: torch.dtype, seed: int = 0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=preset.heads, attention_head_dim=preset.head_dim,
-            in_channels=IN_CHANNELS, out_channels=IN_CHANNELS, text_dim=preset.text_dim, freq_dim=preset.freq_dim,
-            ffn_dim=preset.ffn_dim, num_layers=preset.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        )
-    with torch.no_grad():  # random weights everywhere (the zero-initialised output layers too)
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 1.0 / math.sqrt(param[0].numel()))
-            elif not param.any():
-                param.normal_(0.0, 0.02)
-    if dtype != torch.float32:
-        model = model.to(dtype)
-    return model.eval().requires_grad_(False)
+    """Random weights everywhere (the zero-initialised output layers too), scaled by fan-in."""
+    return tiny_wan(
+        head_dim=preset.head_dim, heads=preset.heads, layers=preset.layers, seed=seed, rope_max_seq_len=1024,
+        in_channels=IN_CHANNELS, out_channels=IN_CHANNELS, text_dim=preset.text_dim, freq_dim=preset.freq_dim,
+        ffn_dim=preset.ffn_dim, init="fan_in", device=device, dtype=dtype,
+    ).requires_grad_(False)
 
 
 # ---------------------------------------------------------------------------------------------------- variants
@@ -148,18 +135,6 @@ class Cached(Variant):
         self._forward(x, 0.0, start, True)
 
 
-class MaskedStockProcessor(WanAttnProcessor):
-    """Stock attention with the (shared, per-forward) block-causal mask on self-attention."""
-
-    def __init__(self):
-        super().__init__()
-        self.mask = None
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        mask = self.mask if encoder_hidden_states is None else None
-        return super().__call__(attn, hidden_states, encoder_hidden_states, mask, rotary_emb)
-
-
 class NoCache(Variant):
     """Recompute: each denoising forward runs ``[committed prefix | chunk]`` with a block-causal mask."""
 
@@ -167,7 +142,7 @@ class NoCache(Variant):
 
     def __init__(self, model, text, preset: Preset):
         self.model, self.text, self.preset = model, text, preset
-        self.processor = MaskedStockProcessor()
+        self.processor = MaskedStockProcessor()  # its mask is set per forward
         model.set_attn_processor(self.processor)
 
     def reset(self):
@@ -270,11 +245,6 @@ class Ideal(Variant):
 
 
 # ---------------------------------------------------------------------------------------------------- rollout
-def chunk_sizes(preset: Preset) -> list[int]:
-    count = max(preset.frames // preset.chunk, 1)
-    return [preset.frames - preset.chunk * (count - 1)] + [preset.chunk] * (count - 1)
-
-
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -312,7 +282,7 @@ def make_inputs(preset: Preset, device, dtype, seed: int = 0):
     renoise = [
         [torch.randn(preset.batch, IN_CHANNELS, size, preset.height, preset.width, generator=g).to(device, dtype)
          for _ in range(preset.steps)]
-        for size in chunk_sizes(preset)
+        for size in chunk_schedule(preset.frames, preset.chunk)
     ]
     text = torch.randn(preset.batch, preset.text_len, preset.text_dim, generator=g).to(device, dtype)
     return noise, renoise, text
@@ -338,7 +308,7 @@ def forward_flops(preset: Preset, query_tokens: int, key_tokens: int, project_te
 
 def rollout_flops(preset: Preset) -> dict[str, int]:
     ft, cached, recompute, start = preset.frame_tokens, 0, 0, 0
-    for k, size in enumerate(chunk_sizes(preset)):
+    for k, size in enumerate(chunk_schedule(preset.frames, preset.chunk)):
         prefix, chunk = start * ft, size * ft
         per_step = forward_flops(preset, chunk, prefix + chunk, project_text_kv=k == 0, per_token_timesteps=False)
         cached += (preset.steps + 1) * per_step  # denoising steps + the commit pass
@@ -569,7 +539,7 @@ def main(argv=None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "config": asdict(preset),
-        "chunk_sizes": chunk_sizes(preset),
+        "chunk_sizes": chunk_schedule(preset.frames, preset.chunk),
         "repeats": preset.repeats,
         **measured,
         "flops": flops,

@@ -22,7 +22,8 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from diffusers_causal_kv import CausalWanAttnProcessor, self_forcing_rollout
-from diffusers_causal_kv.context import running_pass
+from diffusers_causal_kv.ambient import running_pass
+from diffusers_causal_kv.testing import tiny_wan
 
 SIZES = {
     # name: (layers, heads, head_dim, latent height/width, latent frames, chunk frames)
@@ -41,12 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(size: str) -> tuple[WanTransformer3DModel, tuple, int]:
     layers, heads, head_dim, side, frames, chunk = SIZES[size]
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
-        out_channels=16, text_dim=64, freq_dim=64, ffn_dim=4 * heads * head_dim, num_layers=layers,
-        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
-    )
+    model = tiny_wan(head_dim=head_dim, heads=heads, layers=layers, seed=0, rope_max_seq_len=64, init=None,
+                     text_dim=64, freq_dim=64, ffn_dim=4 * heads * head_dim)  # diffusers' own initialisation
     return model, (1, 16, frames, side, side), chunk
 
 
@@ -60,7 +57,7 @@ def saved_bytes_per_chunk(model, shape, chunk: int, exit_step: int) -> dict[int,
         p = running_pass()
         if p is not None and storage.data_ptr() not in weights and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
-            per_chunk[p.start_frame] += storage.nbytes()
+            per_chunk[p.info.start_frame] += storage.nbytes()
         return tensor
 
     g = torch.Generator().manual_seed(0)

@@ -10,6 +10,7 @@ from .kv_cache import (
 )
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
+from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
 from .streaming import StreamingRollout, prefill, recache
@@ -22,6 +23,7 @@ __all__ = [
     "KVCacheEngine",
     "RollingKVCacheEngine",
     "RolloutOutput",
+    "RolloutPlanner",
     "StaticKVCacheEngine",
     "StreamingRollout",
     "VanillaKVCacheEngine",

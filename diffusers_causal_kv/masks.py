@@ -98,14 +98,8 @@ class CausalMask:
         )
 
 
-def block_causal_mask(
-    num_frames: int,
-    chunk_frames: int | Sequence[int],
-    frame_tokens: int,
-    *,
-    window_frames: int | None = None,
-    sink_frames: int = 0,
-) -> CausalMask:
+def block_causal_mask(num_frames: int, chunk_frames: int | Sequence[int], frame_tokens: int, *,
+                      window_frames: int | None = None, sink_frames: int = 0) -> CausalMask:
     """Chunk *k* attends to chunks ``0..k`` (within the window and sink, if given). See the module docstring."""
     sizes = chunk_schedule(num_frames, chunk_frames)
     visible = _visible_frames(sizes, frame_tokens, window_frames, sink_frames)
@@ -114,14 +108,8 @@ def block_causal_mask(
     return CausalMask("block_causal", allowed, frame_tokens, tuple(sizes))
 
 
-def teacher_forcing_mask(
-    num_frames: int,
-    chunk_frames: int | Sequence[int],
-    frame_tokens: int,
-    *,
-    window_frames: int | None = None,
-    sink_frames: int = 0,
-) -> CausalMask:
+def teacher_forcing_mask(num_frames: int, chunk_frames: int | Sequence[int], frame_tokens: int, *,
+                         window_frames: int | None = None, sink_frames: int = 0) -> CausalMask:
     """The mask of ``[clean | noisy]``, ``num_frames`` frames per half (``2 * num_frames`` in all): clean chunks
     attend block-causally, noisy chunk *k* to the clean chunks before it and to itself. See the module docstring."""
     clean = block_causal_mask(num_frames, chunk_frames, frame_tokens, window_frames=window_frames,

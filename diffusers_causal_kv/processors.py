@@ -2,15 +2,15 @@
 
 Install it with ``transformer.set_attn_processor(CausalWanAttnProcessor())`` (one instance may serve every module,
 or pass the dict form). Outside a :class:`~diffusers_causal_kv.CausalContext` it runs the stock
-``WanAttnProcessor`` code, so outputs are bitwise identical. Inside one, it asks the context which engine registered
-the module (never a hardcoded branch) and then:
+``WanAttnProcessor`` code, so outputs are bitwise identical. Inside one, it asks the running pass which engine
+registered the module (never a hardcoded branch) and then:
 
-* self-attention (``attn1``): hands the chunk's query/key/value and RoPE to the engine
-  (:meth:`~diffusers_causal_kv.kv_cache.BaseKVCacheEngine.self_attention_qkv`) and attends over what it returns,
-  the cached prefix followed by the chunk;
+* self-attention (``attn1``): hands the chunk's key/value and rotary tables to the engine in one call
+  (:meth:`~diffusers_causal_kv.BaseKVCacheEngine.update`), attends over what it returns (the cached prefix
+  followed by the chunk), and, in a ``store_kv=True`` forward, stages the chunk's K/V as the engine stores them;
 * cross-attention (``attn2``): in no-grad forwards reads the tag's cross entry when it is filled and skips the K/V
   projections; otherwise projects the conditioning (text, plus Wan2.1 I2V image tokens) and, in a
-  ``store_kv=True`` forward, stages it for the cache.
+  ``store_kv=True`` forward, stages it for the commit.
 
 In the mask modes (``CausalContext(..., mode="block_causal" | "teacher_forcing")``) the forward is a whole
 sequence: self-attention applies the pass's :class:`~diffusers_causal_kv.CausalMask` (a ``BlockMask`` for the flex
@@ -21,9 +21,6 @@ Attention itself goes through ``dispatch_attention_fn`` with this processor's ``
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 from diffusers.models.attention_dispatch import (
@@ -37,9 +34,9 @@ from diffusers.models.transformers.transformer_wan import (
     _get_qkv_projections,
 )
 
-from .context import running_pass
-from .kv_cache.base import CrossEntry
-from .positions import apply_rotary_emb
+from .ambient import running_pass
+from .kv_cache import CrossEntry
+from .rotary import ChunkRotary, apply_rotary_emb
 
 # The stock Wan processor hardcodes the text encoder's context length when splitting I2V image tokens off.
 WAN_TEXT_CONTEXT_LENGTH = 512
@@ -61,7 +58,7 @@ class CausalWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        p = compiled_pass() if torch.compiler.is_compiling() else running_pass()
+        p = running_pass()
         if p is None:
             # Run the stock processor's code with this processor's backend settings: bitwise stock outputs.
             return WanAttnProcessor.__call__(
@@ -73,31 +70,34 @@ class CausalWanAttnProcessor:
             query, key, value = _get_qkv_projections(attn, hidden_states, None)
             query, key, value = _heads(attn, attn.norm_q(query), attn.norm_k(key), value)
             if p.mask is None:
-                engine = p.context.resolve_registered_engine(attn)
-                query, key, value = engine.self_attention_qkv(
-                    engine.block_index(attn), p, query, key, value, rotary_emb
-                )
-                out = self._attend(query, key, value)
+                out = self._attend_cached(attn, p, query, key, value, rotary_emb)
             else:  # a mask mode: the whole sequence at once, no cache
                 query, key = apply_rotary_emb(query, *rotary_emb), apply_rotary_emb(key, *rotary_emb)
                 out = self._attend(query, key, value, self._dispatchable(p.mask, query.device))
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
+    def _attend_cached(self, attn, p, query, key, value, rotary_emb) -> torch.Tensor:
+        engine = p.engine_for(attn)
+        block_idx = engine.block_index(attn)
+        rotary = None if rotary_emb is None else ChunkRotary(*rotary_emb, *p.temporal_rope)
+        kv = engine.update(block_idx, p.info, key, value, rotary, p.memo_for(engine))
+        if p.stages:
+            p.stage_self(engine, block_idx, kv.commit_key, kv.commit_value)
+        return self._attend(query if rotary is None else rotary.apply(query), kv.key, kv.value)
+
     def _context_kv(self, attn, p, encoder_hidden_states) -> CrossEntry:
         """The conditioning's K/V: the cached entry in no-grad cached passes once filled, else projected (and
         staged by the first ``store_kv=True`` forward of a tag). Mask modes always project."""
         if p.mask is not None:
             return _project_context(attn, encoder_hidden_states)
-        engine = p.context.resolve_registered_engine(attn)
+        engine = p.engine_for(attn)
         block_idx = engine.block_index(attn)
-        entry = None if torch.is_grad_enabled() else engine.read_cross(block_idx, p.cache_tag)
+        entry = None if p.info.grad_enabled else engine.read_cross(block_idx, p.info.cache_tag)
         if entry is None:
             entry = _project_context(attn, encoder_hidden_states)
-            if p.store_kv and not p.recomputing and not engine.is_cross_init(p.cache_tag):
-                p.staged_for(engine).cross_kv[block_idx] = CrossEntry(*(
-                    None if t is None else t.detach() for t in (entry.key, entry.value, entry.key_img, entry.value_img)
-                ))
+            if p.stages and not engine.is_cross_init(p.info.cache_tag):
+                p.stage_cross(engine, block_idx, entry)
         return entry
 
     def _attend_context(self, attn, hidden_states, entry: CrossEntry) -> torch.Tensor:
@@ -118,27 +118,6 @@ class CausalWanAttnProcessor:
             query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         )
         return out.flatten(2, 3).type_as(query)
-
-
-# Dynamo cannot trace ContextVar.get, so code compiled with torch.compile (e.g. compile_repeated_blocks) reads the
-# running pass from this thread-local mirror, which the model-layer hook keeps equal to running_pass() for the
-# duration of each transformer forward (outside the compiled region).
-_COMPILED_PASS = threading.local()
-
-
-@contextlib.contextmanager
-def publish_to_compiled_code(p):
-    """Make ``p`` (or ``None``: stock attention) the pass compiled attention code sees, for the enclosed code."""
-    previous = getattr(_COMPILED_PASS, "value", None)
-    _COMPILED_PASS.value = p
-    try:
-        yield
-    finally:
-        _COMPILED_PASS.value = previous
-
-
-def compiled_pass():
-    return getattr(_COMPILED_PASS, "value", None)
 
 
 def _heads(attn: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

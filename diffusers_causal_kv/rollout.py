@@ -1,4 +1,5 @@
-"""The causal sampling loops as functions: inference (Self-Forcing / CausVid) and the self-forcing training rollout.
+"""The causal sampling loops, built on the :class:`~diffusers_causal_kv.planner.RolloutPlanner`: inference
+(Self-Forcing / CausVid) and the self-forcing training rollout.
 
 For each chunk of latent frames: denoise it against the cached prefix (few-step sampling over a timestep list, or
 any diffusers flow-matching scheduler, reset for every chunk), then run one commit pass on the clean chunk
@@ -18,9 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .context import CausalContext, commits_together
-from .masks import chunk_schedule
-from .model import check_forward_inputs, clear_caches
+from .planner import Chunk, RolloutPlanner
 
 
 @dataclass
@@ -46,124 +45,20 @@ def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_tim
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
-def resolve_transformer(model) -> torch.nn.Module:
-    """The transformer of a pipeline, or ``model`` itself; refuses two-expert (Wan2.2 A14B) pipelines."""
-    if getattr(model, "transformer_2", None) is not None:
-        raise NotImplementedError(
-            "two-expert Wan2.2 pipelines (transformer + transformer_2 switched at a boundary timestep) are not "
-            "supported by the causal rollout yet; pass a single-expert pipeline or one transformer."
-        )
-    return getattr(model, "transformer", model)
-
-
-class _ChunkForwards:
-    """The transformer forwards of one rollout: per-frame inputs sliced per chunk, one context per forward, CFG."""
-
-    first_frame = 0  # absolute frame index of the rollout's first frame (> 0 when it continues a cache)
-
-    def __init__(self, model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
-                 condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator):
-        self.transformer = transformer = resolve_transformer(model)
-        self.batch, _, num_frames = noise.shape[:3]
-        self.sizes = chunk_schedule(num_frames, chunk_frames)
-        for name, latents in (("condition_latents", condition_latents), ("control_latents", control_latents)):
-            if latents is not None and latents.shape[2] != num_frames:
-                raise ValueError(f"{name} has {latents.shape[2]} frames but noise has {num_frames}; they must match.")
-        is_vace = getattr(transformer, "vace_blocks", None) is not None
-        if is_vace != (control_latents is not None):
-            raise ValueError(
-                "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
-                else "control_latents were given but the transformer has no VACE blocks; drop them."
-            )
-        self.use_cfg = guidance_scale != 1.0
-        if self.use_cfg and negative_prompt_embeds is None:
-            raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
-        self.prompts = {"pos": prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
-        self.guidance_scale, self.image_embeds = guidance_scale, image_embeds
-        self.per_frame = {"condition": condition_latents, "control": control_latents}
-        self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
-
-    def clear(self) -> None:
-        if self.cache_engines is None:
-            clear_caches(self.transformer)
-        else:
-            for engine in self.cache_engines.values():
-                engine.clear()
-
-    def chunk_inputs(self, start: int, size: int) -> dict:
-        """The chunk's slices of the per-frame inputs (I2V condition, VACE control)."""
-        return {name: None if v is None else v[:, :, start:start + size] for name, v in self.per_frame.items()}
-
-    def inputs(self, x, t, tag, cond) -> dict:
-        """The transformer's keyword arguments for a chunk ``x`` at timestep ``t`` on ``tag``."""
-        inputs = {
-            "hidden_states": x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1),
-            "timestep": torch.full((self.batch,), float(t), device=x.device, dtype=torch.float32),
-            "encoder_hidden_states": self.prompts[tag],
-            "encoder_hidden_states_image": self.image_embeds,
-        }
-        if cond["control"] is not None:
-            inputs.update(control_hidden_states=cond["control"], control_hidden_states_scale=self.control_scale)
-        return inputs
-
-    def forward(self, x, t, start, tag, store_kv, cond):
-        """One transformer forward on a chunk under its :class:`CausalContext`."""
-        with CausalContext(self.transformer, start_frame=self.first_frame + start, cache_tag=tag, store_kv=store_kv,
-                           cache_engines=self.cache_engines):
-            return self.transformer(**self.inputs(x, t, tag, cond), return_dict=False)[0]
-
-    def flow(self, x, t, start, cond):
-        """The (guided) flow prediction for a chunk at timestep ``t``."""
-        pos = self.forward(x, t, start, "pos", False, cond)
-        if not self.use_cfg:
-            return pos
-        neg = self.forward(x, t, start, "neg", False, cond)
-        return neg + self.guidance_scale * (pos - neg)
-
-    def predict_x0(self, x, sigma: float, start, cond):
-        """The clean chunk the (guided) flow predicts from ``x`` at noise level ``sigma``."""
-        return x - sigma * self.flow(x, sigma * 1000, start, cond)
-
-    def renoise(self, x0, sigma: float):
-        """``x0`` noised to level ``sigma`` with fresh noise (the flow-matching forward process)."""
-        return (1 - sigma) * x0 + sigma * self.randn_like(x0)
-
-    def check(self, noise) -> None:
-        """Fail before any work (a fresh rollout: before clearing the caches) if the rollout cannot run: inputs the
-        model refuses (checked on the first chunk of every tag), a chunk schedule an engine cannot hold, or frames
-        past the RoPE table."""
-        cond = self.chunk_inputs(0, self.sizes[0])
-        for tag in self.prompts:
-            check_forward_inputs(self.transformer, self.inputs(noise[:, :, :self.sizes[0]], 0.0, tag, cond))
-        engines = self.cache_engines or getattr(self.transformer, "kv_cache_engines", None) or {}
-        for engine in engines.values():
-            engine.check_schedule(self.first_frame, self.sizes)
-        if len({e.reindexes_positions for e in engines.values()}) > 1:  # a forward finds it only at an eviction
-            raise ValueError(
-                "the engines of this transformer place the chunk at different RoPE positions (relative and absolute "
-                "ones), but one rotary embedding serves every branch; give every branch the same kind of engine and "
-                "positions."
-            )
-        if any(e.reindexes_positions for e in engines.values()):  # not bounded by the RoPE table
-            return
-        end, max_len = self.first_frame + sum(self.sizes), self.transformer.rope.max_seq_len
-        if end > max_len:
-            raise ValueError(
-                f"the rollout covers latent frames {self.first_frame}..{end - 1} but the RoPE table has {max_len} "
-                "positions (rope_max_seq_len); generate fewer frames, use a model with a larger rope_max_seq_len, "
-                "or a RollingKVCacheEngine(..., positions='relative'), which re-indexes positions."
-            )
-
-    def commit(self, x, context_noise, start, cond) -> None:
-        """Commit a clean chunk on every tag, re-noised to ``context_noise`` (timestep units) when above 0."""
-        if context_noise > 0:
-            x = self.renoise(x, context_noise / 1000)
-        with torch.no_grad(), commits_together():  # every tag or none, so the tags never disagree
-            for tag in self.prompts:
-                self.forward(x, context_noise, start, tag, True, cond)
-
-    def randn_like(self, x):
-        return torch.randn(x.shape, generator=self.generator, device=x.device, dtype=x.dtype)
+def denoise_chunk(planner: RolloutPlanner, x: torch.Tensor, chunk: Chunk, sigmas: list[float] | None,
+                  scheduler=None, num_inference_steps: int | None = None) -> torch.Tensor:
+    """The clean chunk sampled from noise ``x``: few-step (predict x0 at each noise level of ``sigmas``, re-noise to
+    the next) or, with ``scheduler``, multi-step with a diffusers flow-matching scheduler reset for the chunk."""
+    if scheduler is None:
+        for i, sigma in enumerate(sigmas):
+            x0 = planner.predict_x0(x, sigma, chunk)
+            if i + 1 < len(sigmas):
+                x = planner.renoise(x0, sigmas[i + 1])
+        return x0
+    scheduler.set_timesteps(num_inference_steps, device=x.device)
+    for t in scheduler.timesteps:
+        x = scheduler.step(planner.flow(x, t, chunk), t, x, return_dict=False)[0]
+    return x
 
 
 @torch.no_grad()
@@ -180,10 +75,8 @@ def causal_rollout(
     scheduler=None,
     num_inference_steps: int | None = None,
     context_noise: float = 0.0,
-    condition_latents: torch.Tensor | None = None,
-    image_embeds: torch.Tensor | None = None,
-    control_latents: torch.Tensor | None = None,
-    control_scale: torch.Tensor | None = None,
+    condition_latents: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,  # Wan2.1 I2V
+    control_latents: torch.Tensor | None = None, control_scale: torch.Tensor | None = None,  # VACE
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     progress: bool = True,
@@ -214,38 +107,28 @@ def causal_rollout(
             ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
             earlier rollout); the per-frame inputs still cover the generated frames only.
     """
-    run = _ChunkForwards(model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
-                         condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
+    planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+                             guidance_scale=guidance_scale, image_embeds=image_embeds,
+                             condition_latents=condition_latents, control_latents=control_latents,
+                             control_scale=control_scale, cache_engines=cache_engines, generator=generator)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
     sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear
-    if continue_cache:
-        engines = run.cache_engines or getattr(run.transformer, "kv_cache_engines", None) or {}
-        run.first_frame = engines["main"].next_frame("pos") if "main" in engines else 0
-    run.check(noise)
+    chunks = planner.plan(noise, chunk_frames, planner.next_frame() if continue_cache else 0)
+    planner.check(noise, chunks)
     if not continue_cache:
-        run.clear()
-    outputs, seconds, start = [], [], 0
-    for size in tqdm(run.sizes, desc="causal rollout", unit="chunk", disable=not progress):
+        planner.clear()
+    outputs, seconds = [], []
+    for chunk in tqdm(chunks, desc="causal rollout", unit="chunk", disable=not progress):
         began = time.perf_counter()
-        x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
-        if scheduler is None:
-            for i, sigma in enumerate(sigmas):
-                x0 = run.predict_x0(x, sigma, start, cond)
-                if i + 1 < len(sigmas):
-                    x = run.renoise(x0, sigmas[i + 1])
-            x = x0
-        else:
-            scheduler.set_timesteps(num_inference_steps, device=x.device)
-            for t in scheduler.timesteps:
-                x = scheduler.step(run.flow(x, t, start, cond), t, x, return_dict=False)[0]
-        run.commit(x, context_noise, start, cond)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
+        x = denoise_chunk(planner, noise[:, :, chunk.offset:chunk.offset + chunk.size], chunk, sigmas, scheduler,
+                          num_inference_steps)
+        planner.commit(x, chunk, context_noise)
+        _synchronize(x)
         seconds.append(time.perf_counter() - began)
         outputs.append(x)
-        start += size
-    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=run.sizes, chunk_seconds=seconds)
+    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
+                         chunk_seconds=seconds)
 
 
 def self_forcing_rollout(
@@ -261,10 +144,8 @@ def self_forcing_rollout(
     context_noise: float = 0.0,
     negative_prompt_embeds: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
-    condition_latents: torch.Tensor | None = None,
-    image_embeds: torch.Tensor | None = None,
-    control_latents: torch.Tensor | None = None,
-    control_scale: torch.Tensor | None = None,
+    condition_latents: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,  # Wan2.1 I2V
+    control_latents: torch.Tensor | None = None, control_scale: torch.Tensor | None = None,  # VACE
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     progress: bool = False,
@@ -290,28 +171,29 @@ def self_forcing_rollout(
         :class:`RolloutOutput` whose ``latents`` carry the autograd graph and whose ``exit_steps`` give each chunk's
         exit step (the DMD loss needs the timestep it exited at).
     """
-    run = _ChunkForwards(model, noise, prompt_embeds, negative_prompt_embeds, guidance_scale, chunk_frames,
-                         condition_latents, image_embeds, control_latents, control_scale, cache_engines, generator)
-    exits = _exit_steps(exit_step, len(timesteps), len(run.sizes), generator)
+    planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+                             guidance_scale=guidance_scale, image_embeds=image_embeds,
+                             condition_latents=condition_latents, control_latents=control_latents,
+                             control_scale=control_scale, cache_engines=cache_engines, generator=generator)
+    chunks = planner.plan(noise, chunk_frames)
+    exits = _exit_steps(exit_step, len(timesteps), len(chunks), generator)
     sigmas = shifted_sigmas(timesteps, shift).tolist()
-    run.check(noise)
-    run.clear()
-    outputs, seconds, start = [], [], 0
-    for size, exit_at in zip(tqdm(run.sizes, desc="self-forcing rollout", unit="chunk", disable=not progress),
-                             exits):
+    planner.check(noise, chunks)
+    planner.clear()
+    outputs, seconds = [], []
+    for chunk, exit_at in zip(tqdm(chunks, desc="self-forcing rollout", unit="chunk", disable=not progress), exits):
         began = time.perf_counter()
-        x, cond = noise[:, :, start:start + size], run.chunk_inputs(start, size)
+        x = noise[:, :, chunk.offset:chunk.offset + chunk.size]
         with torch.no_grad():
             for i in range(exit_at):
-                x = run.renoise(run.predict_x0(x, sigmas[i], start, cond), sigmas[i + 1])
-        with torch.set_grad_enabled(torch.is_grad_enabled() and start >= grad_from_frame):
-            x0 = run.predict_x0(x, sigmas[exit_at], start, cond)
-        run.commit(x0.detach(), context_noise, start, cond)
+                x = planner.renoise(planner.predict_x0(x, sigmas[i], chunk), sigmas[i + 1])
+        with torch.set_grad_enabled(torch.is_grad_enabled() and chunk.offset >= grad_from_frame):
+            x0 = planner.predict_x0(x, sigmas[exit_at], chunk)
+        planner.commit(x0.detach(), chunk, context_noise)
         seconds.append(time.perf_counter() - began)
         outputs.append(x0)
-        start += size
-    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=run.sizes, chunk_seconds=seconds,
-                         exit_steps=exits)
+    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
+                         chunk_seconds=seconds, exit_steps=exits)
 
 
 def _exit_steps(exit_step, num_steps: int, num_chunks: int, generator) -> list[int]:
@@ -325,3 +207,9 @@ def _exit_steps(exit_step, num_steps: int, num_chunks: int, generator) -> list[i
             f"chunk ({num_chunks} chunks), got {exit_step!r}."
         )
     return exits
+
+
+def _synchronize(x: torch.Tensor) -> None:
+    """Wait for the device, so that per-chunk seconds measure the chunk's work."""
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)

@@ -18,21 +18,17 @@ committed (``next_frame`` says where to continue), and undoes a :func:`prefill` 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from .context import CausalContext, commits_together
 from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
 from .masks import chunk_schedule
-from .model import clear_caches
-from .rollout import RolloutOutput, _ChunkForwards, causal_rollout, resolve_transformer
-
-
-def _engines(transformer: torch.nn.Module, cache_engines: dict | None) -> dict[str, BaseKVCacheEngine]:
-    engines = cache_engines if cache_engines is not None else getattr(transformer, "kv_cache_engines", None)
-    return engines or {}
+from .model import resolve_engines, topology
+from .planner import RolloutPlanner, resolve_transformer
+from .rollout import RolloutOutput, _synchronize, denoise_chunk, shifted_sigmas
 
 
 @torch.no_grad()
@@ -66,16 +62,12 @@ def prefill(
     Returns:
         The tag's next frame (the ``start_frame`` of the chunk that continues the clip).
     """
-    transformer = resolve_transformer(model)
-    engines = _engines(transformer, cache_engines)
-    batch, num_frames = latents.shape[0], latents.shape[2]
-    per_frame = {"condition": condition_latents, "control": control_latents}
-    for name, frames in per_frame.items():  # every argument check before the skip below changes the cache
-        if frames is not None and frames.shape[2] != num_frames:
-            raise ValueError(f"{name}_latents has {frames.shape[2]} frames but latents have {num_frames}.")
-    sizes = chunk_schedule(num_frames, chunk_frames)
-    cached = engines["main"].next_frame(cache_tag) if "main" in engines else 0
+    planner = RolloutPlanner(model, prompt_embeds, cache_tag=cache_tag, image_embeds=image_embeds,
+                             condition_latents=condition_latents, control_latents=control_latents,
+                             control_scale=control_scale, cache_engines=cache_engines, generator=generator)
+    engines, cached = planner.engines, planner.next_frame()
     start = cached if start_frame is None else start_frame
+    chunks = planner.plan(latents, chunk_frames, start, given="latents")  # every check before a skip changes the cache
     if start != cached:
         can_skip = bool(engines) and all(isinstance(e, RollingKVCacheEngine) for e in engines.values())
         if start < cached or not can_skip:
@@ -87,24 +79,9 @@ def prefill(
         if start != cached:
             for engine in engines.values():
                 skips.enter_context(engine.skipping_to(start, cache_tag))
-        offset = 0
-        for size in sizes:
-            x = latents[:, :, offset:offset + size]
-            if context_noise > 0:
-                noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-                x = (1 - context_noise / 1000) * x + context_noise / 1000 * noise
-            cond = {k: None if v is None else v[:, :, offset:offset + size] for k, v in per_frame.items()}
-            inputs = x if cond["condition"] is None else torch.cat([x, cond["condition"]], dim=1)
-            extra = {} if cond["control"] is None else {
-                "control_hidden_states": cond["control"], "control_hidden_states_scale": control_scale
-            }
-            timestep = torch.full((batch,), float(context_noise), device=x.device, dtype=torch.float32)
-            with CausalContext(transformer, start_frame=start + offset, cache_tag=cache_tag, store_kv=True,
-                               cache_engines=cache_engines):
-                transformer(hidden_states=inputs, timestep=timestep, encoder_hidden_states=prompt_embeds,
-                            encoder_hidden_states_image=image_embeds, return_dict=False, **extra)
-            offset += size
-    return start + num_frames
+        for chunk in chunks:
+            planner.commit(latents[:, :, chunk.offset:chunk.offset + chunk.size], chunk, context_noise)
+    return start + latents.shape[2]
 
 
 @torch.no_grad()
@@ -134,7 +111,7 @@ def recache(
         Other arguments as in :func:`prefill`.
     """
     transformer = resolve_transformer(model)
-    engines = _engines(transformer, cache_engines)
+    engines = resolve_engines(transformer, cache_engines)
     scratch = _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, context_noise,
                         image_embeds, generator)
     for branch, engine in engines.items():
@@ -216,35 +193,30 @@ class StreamingRollout:
         generator: torch.Generator | None = None,
     ) -> None:
         self.transformer = resolve_transformer(model)
-        if getattr(self.transformer, "vace_blocks", None) is not None or self.transformer.config.image_dim:
+        kind = topology(self.transformer)
+        if kind.is_vace or kind.is_i2v:
             raise NotImplementedError(
                 "StreamingRollout takes text conditioning only; for Wan2.1 I2V or VACE (per-frame inputs) use "
                 "prefill() and causal_rollout() with the per-frame latents."
             )
-        if guidance_scale != 1.0 and negative_prompt_embeds is None:
-            raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
-        self.prompts = {"pos": prompt_embeds}
-        if guidance_scale != 1.0:
-            self.prompts["neg"] = negative_prompt_embeds
+        self._planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+                                       guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator)
+        self.prompts = self._planner.prompts
         self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
         self.timesteps, self.shift = timesteps, shift
         self.context_noise, self.cache_engines, self.generator = context_noise, cache_engines, generator
         self._window: list[tuple[int, torch.Tensor]] = []
-        if cache_engines is None:
-            clear_caches(self.transformer)
-        else:
-            for engine in cache_engines.values():
-                engine.clear()
+        self._planner.clear()
 
     @property
     def engine(self) -> BaseKVCacheEngine | None:
         """The engine of the ``"main"`` branch (``None`` before the first forward created it)."""
-        return _engines(self.transformer, self.cache_engines).get("main")
+        return self._planner.engines.get("main")
 
     @property
     def next_frame(self) -> int:
         """The absolute latent frame the next chunk starts at."""
-        return 0 if self.engine is None else self.engine.next_frame("pos")
+        return self._planner.next_frame()
 
     def window(self) -> list[tuple[int, torch.Tensor]]:
         """``(start_frame, clean latents)`` of each range of frames the cache holds (sink, then recent frames)."""
@@ -252,53 +224,37 @@ class StreamingRollout:
 
     def memory_bytes(self) -> int:
         """Bytes held by the engines and by the clean latents kept for re-caching."""
-        engines = _engines(self.transformer, self.cache_engines).values()
-        return sum(e.memory_bytes() for e in engines) + sum(t.nbytes for _, t in self._window)
+        return sum(e.memory_bytes() for e in self._planner.engines.values()) + sum(t.nbytes for _, t in self._window)
 
+    @torch.no_grad()
     def prefill(self, latents: torch.Tensor) -> None:
         """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating."""
         self._held_parts(self._window)  # frames committed behind this rollout's back: refuse before any work
-        offset = 0
-        for size in chunk_schedule(latents.shape[2], self.chunk_frames):
-            chunk, start = latents[:, :, offset:offset + size], self.next_frame
-            with commits_together():  # every tag or none
-                for tag, prompt in self.prompts.items():
-                    prefill(self.transformer, chunk, prompt, cache_tag=tag, chunk_frames=size,
-                            context_noise=self.context_noise, cache_engines=self.cache_engines,
-                            generator=self.generator)
-            self._remember(start, chunk)  # per chunk: an error in a later one leaves this one usable
-            offset += size
+        for chunk in self._planner.plan(latents, self.chunk_frames, self.next_frame, given="latents"):
+            part = latents[:, :, chunk.offset:chunk.offset + chunk.size]
+            self._planner.commit(part, chunk, self.context_noise)  # every tag or none
+            self._remember(chunk.frame, part)  # per chunk: an error in a later one leaves this one usable
 
+    @torch.no_grad()
     def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
         """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
         self._held_parts(self._window)
-        # The whole request is checked before the first chunk (RoPE range, engine capacity, inputs), as one
-        # causal_rollout call would.
-        run = _ChunkForwards(
-            self.transformer, noise, self.prompts["pos"], negative_prompt_embeds=self.prompts.get("neg"),
-            guidance_scale=self.guidance_scale, chunk_frames=self.chunk_frames, condition_latents=None,
-            image_embeds=None, control_latents=None, control_scale=None, cache_engines=self.cache_engines,
-            generator=None,
-        )
-        run.first_frame = self.next_frame
-        run.check(noise)
-        sizes = run.sizes
-        chunks, seconds, offset = [], [], 0
-        # One rollout call per chunk, remembering each committed chunk at once, so an interrupted generate() leaves
-        # the stream consistent with its cache (the chunks before the interruption kept).
-        for size in tqdm(sizes, desc="streaming rollout", unit="chunk", disable=not progress):
-            start = self.next_frame
-            result = causal_rollout(
-                self.transformer, noise[:, :, offset:offset + size], self.prompts["pos"],
-                negative_prompt_embeds=self.prompts.get("neg"), guidance_scale=self.guidance_scale, chunk_frames=size,
-                timesteps=self.timesteps, shift=self.shift, context_noise=self.context_noise,
-                cache_engines=self.cache_engines, generator=self.generator, progress=False, continue_cache=True,
-            )
-            self._remember(start, result.latents)
-            chunks.append(result.latents)
-            seconds += result.chunk_seconds
-            offset += size
-        return RolloutOutput(latents=torch.cat(chunks, dim=2), chunk_sizes=sizes, chunk_seconds=seconds)
+        chunks = self._planner.plan(noise, self.chunk_frames, self.next_frame)
+        sigmas = shifted_sigmas(self.timesteps, self.shift).tolist()
+        self._planner.check(noise, chunks)  # the whole request, as one causal_rollout call would
+        outputs, seconds = [], []
+        # Each committed chunk is remembered at once, so an interrupted generate() leaves the stream consistent with
+        # its cache (the chunks before the interruption kept).
+        for chunk in tqdm(chunks, desc="streaming rollout", unit="chunk", disable=not progress):
+            began = time.perf_counter()
+            x = denoise_chunk(self._planner, noise[:, :, chunk.offset:chunk.offset + chunk.size], chunk, sigmas)
+            self._planner.commit(x, chunk, self.context_noise)
+            self._remember(chunk.frame, x)
+            _synchronize(x)
+            seconds.append(time.perf_counter() - began)
+            outputs.append(x)
+        return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
+                             chunk_seconds=seconds)
 
     def switch_prompt(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None) -> None:
         """Use new conditioning from the next chunk on, re-caching the window under it (:func:`recache`): the
@@ -306,7 +262,7 @@ class StreamingRollout:
         new = {"pos": prompt_embeds}
         if negative_prompt_embeds is not None and "neg" in self.prompts:
             new["neg"] = negative_prompt_embeds
-        engines = _engines(self.transformer, self.cache_engines)
+        engines = self._planner.engines
         # Every tag is re-cached before any is swapped in, so a failure (say, a malformed negative prompt) leaves the
         # rollout on its old prompts.
         scratch = {tag: _recached(self.transformer, engines, self._window, prompt, tag, self.chunk_frames,

@@ -15,11 +15,10 @@ import argparse
 import time
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.utils import export_to_video
-from diffusers.video_processor import VideoProcessor
 
 from diffusers_causal_kv import CausalWanAttnProcessor, causal_rollout
+from diffusers_causal_kv.testing import decode_latents, tiny_prompt_encoder, tiny_vae, tiny_wan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,26 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_random_models(seed: int):
-    """A tiny random Wan transformer and VAE (sizes as in diffusers' own tests), plus random prompt embeddings."""
-    torch.manual_seed(seed)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-    return transformer, tiny_random_vae(), tiny_prompt_encoder
-
-
-def tiny_random_vae() -> AutoencoderKLWan:
-    """A tiny random Wan VAE with the real model's compression (8x spatial, 4x temporal, 16 latent channels)."""
-    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            temperal_downsample=[False, True, True])
-
-
-def tiny_prompt_encoder(prompt: str, batch: int = 1) -> torch.Tensor:
-    """Stands in for the T5 encoder of the tiny models: a deterministic random embedding per prompt."""
-    g = torch.Generator().manual_seed(sum(map(ord, prompt)))
-    return torch.randn(batch, 16, 32, generator=g)
+    """A tiny random Wan transformer (diffusers' own initialisation) and VAE, plus a stand-in prompt encoder."""
+    transformer = tiny_wan(seed=seed, ffn_dim=64, init=None)
+    return transformer, tiny_vae(), tiny_prompt_encoder  # the VAE continues the RNG seeded above
 
 
 def pretrained_models(model_id: str, device: torch.device, dtype: torch.dtype):
@@ -73,16 +55,6 @@ def pretrained_models(model_id: str, device: torch.device, dtype: torch.dtype):
         return embeds
 
     return pipe.transformer, pipe.vae, encode
-
-
-def decode(vae, latents: torch.Tensor):
-    """Un-normalise Wan latents and decode them to a list of frames (numpy, 0..1)."""
-    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-    latents = latents.to(vae.dtype) * std.to(vae.dtype) + mean.to(vae.dtype)
-    with torch.no_grad():
-        video = vae.decode(latents, return_dict=False)[0]
-    return VideoProcessor(vae_scale_factor=8).postprocess_video(video.float(), output_type="np")[0]
 
 
 def main(argv=None) -> str:
@@ -114,7 +86,7 @@ def main(argv=None) -> str:
                             guidance_scale=args.guidance_scale, chunk_frames=args.chunk_frames,
                             timesteps=args.timesteps, generator=g)
     rollout_seconds = time.perf_counter() - began
-    frames = decode(vae, result.latents)
+    frames = decode_latents(vae, result.latents)
     export_to_video(list(frames), args.output, fps=args.fps)
 
     print(f"chunks (latent frames): {result.chunk_sizes}")

@@ -15,20 +15,16 @@ The control latents are built with diffusers' own ``WanVACEPipeline`` helpers (`
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline, WanVACETransformer3DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, WanVACEPipeline
 from diffusers.utils import export_to_video
 
 from diffusers_causal_kv import CausalWanAttnProcessor, causal_rollout
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # share the tiny VAE and decoding with the T2V example
-from causal_rollout import decode, tiny_prompt_encoder, tiny_random_vae  # noqa: E402
+from diffusers_causal_kv.testing import decode_latents, tiny_prompt_encoder, tiny_vace, tiny_vae
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,14 +63,9 @@ def moving_square_depth(num_frames: int, height: int, width: int) -> list[PIL.Im
 
 def tiny_random_pipeline(seed: int) -> WanVACEPipeline:
     """A tiny random VACE transformer (VACE layers 0 and 2 of 3) and VAE in a text-encoder-free pipeline."""
-    torch.manual_seed(seed)
-    transformer = WanVACETransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=3, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32, vace_layers=[0, 2],
-        vace_in_channels=96,  # inactive + reactive video latents (2 x 16) and the 8x8 spatial mask (64)
-    )
-    return WanVACEPipeline(tokenizer=None, text_encoder=None, vae=tiny_random_vae(),
+    # vace_in_channels: inactive + reactive video latents (2 x 16) and the 8x8 spatial mask (64).
+    transformer = tiny_vace(seed=seed, ffn_dim=64, vace_in_channels=96, init=None)
+    return WanVACEPipeline(tokenizer=None, text_encoder=None, vae=tiny_vae(),
                            scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer)
 
 
@@ -123,7 +114,7 @@ def main(argv=None) -> str:
                             guidance_scale=args.guidance_scale, chunk_frames=args.chunk_frames,
                             timesteps=args.timesteps, control_latents=control, control_scale=scale, generator=g)
     rollout_seconds = time.perf_counter() - began
-    frames = decode(pipe.vae, result.latents)
+    frames = decode_latents(pipe.vae, result.latents)
     export_to_video(list(frames), args.output, fps=args.fps)
 
     print(f"chunks (latent frames): {result.chunk_sizes}")

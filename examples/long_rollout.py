@@ -15,17 +15,13 @@ By default everything is tiny and random (the models of ``examples/causal_rollou
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from diffusers.utils import export_to_video
 
 from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, StreamingRollout
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # share the tiny models and decoding with the T2V example
-from causal_rollout import decode, pretrained_models, tiny_random_models  # noqa: E402
+from diffusers_causal_kv.testing import decode_latents, tiny_prompt_encoder, tiny_vae, tiny_wan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,15 +47,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def load_models(model_id: str | None, seed: int, device: torch.device, dtype: torch.dtype):
+    """(transformer, VAE, prompt encoder): those of a diffusers-format Wan T2V checkpoint, or with no ``model_id``
+    the tiny random models of ``examples/causal_rollout.py``."""
+    if model_id is None:
+        transformer = tiny_wan(seed=seed, ffn_dim=64, init=None)  # diffusers' own initialisation
+        return transformer.to(device), tiny_vae().to(device), tiny_prompt_encoder
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(model_id, torch_dtype=dtype).to(device)
+
+    def encode(prompt: str) -> torch.Tensor:
+        return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=device, dtype=dtype)[0]
+
+    return pipe.transformer, pipe.vae, encode
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" and args.model_id else torch.float32
-    if args.model_id:
-        transformer, vae, encode = pretrained_models(args.model_id, device, dtype)
-    else:
-        transformer, vae, encode = tiny_random_models(args.seed)
-        transformer, vae = transformer.to(device), vae.to(device)
+    transformer, vae, encode = load_models(args.model_id, args.seed, device, dtype)
     transformer.eval()
 
     # Choose the engine before the first context: installation registers into it.
@@ -92,7 +100,7 @@ def main(argv=None) -> str:
     flat = "flat" if len(set(memory)) == 1 else f"NOT flat: {min(memory)}..{max(memory)}"
     print(f"cache memory over {args.num_chunks} chunks: {flat}; rollout {rollout_seconds:.1f} s")
 
-    frames = decode(vae, torch.cat(chunks, dim=2))
+    frames = decode_latents(vae, torch.cat(chunks, dim=2))
     export_to_video(list(frames), args.output, fps=args.fps)
     print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}")
     return args.output

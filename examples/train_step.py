@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor, chunk_schedule, self_forcing_rollout
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # share the tiny models with the rollout example
-from causal_rollout import tiny_random_models  # noqa: E402
+from diffusers_causal_kv.testing import tiny_prompt_encoder, tiny_wan
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,7 +84,7 @@ def self_forcing_step(transformer, optimizer, teacher, critic, noise, text, chun
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    transformer, _, encode = tiny_random_models(args.seed)
+    transformer = tiny_wan(seed=args.seed, ffn_dim=64, init=None)  # the tiny model of examples/causal_rollout.py
     teacher = copy.deepcopy(transformer).requires_grad_(False).eval()
     critic = copy.deepcopy(teacher)  # in DMD the critic is trained on the generator's samples; here: perturbed
     with torch.no_grad():
@@ -101,7 +97,7 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr)
 
     g = torch.Generator().manual_seed(args.seed)
-    text = encode("a red fox running through fresh snow", batch=args.batch)
+    text = tiny_prompt_encoder("a red fox running through fresh snow", batch=args.batch)
     shape = (args.batch, transformer.config.in_channels, args.latent_frames, 8, 8)
     clean = torch.randn(shape, generator=g)  # stands in for VAE latents of training videos
 

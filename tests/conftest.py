@@ -5,7 +5,7 @@ import os
 import pytest
 from hypothesis import settings
 
-import diffusers_causal_kv.model
+import diffusers_causal_kv.model.install
 from diffusers_causal_kv import StaticKVCacheEngine, VanillaKVCacheEngine
 
 # CI explores the same examples on every run (a red run then reproduces); locally hypothesis searches anew each time.
@@ -27,5 +27,5 @@ def make_engine(request, monkeypatch):
     """A factory of fresh engines of one kind, which is also the default engine installation creates, so every
     transformer the test builds runs on it."""
     factory = ENGINES[request.param]
-    monkeypatch.setattr(diffusers_causal_kv.model, "KVCacheEngine", factory)
+    monkeypatch.setattr(diffusers_causal_kv.model.install, "KVCacheEngine", factory)
     return factory

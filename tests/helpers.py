@@ -1,75 +1,22 @@
-"""Tiny random Wan models, forward shortcuts, cache snapshots, and the references the tests compare against
-(the references run stock diffusers code only)."""
+"""Forward shortcuts, cache snapshots, and the references the tests compare against (the references run stock
+diffusers code only). The tiny random models and their inputs come from :mod:`diffusers_causal_kv.testing`."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
-from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from diffusers_causal_kv import CausalContext
-
-TEXT_DIM = 32
-I2V_TEXT_LEN = 512  # stock I2V splits the image tokens off assuming 512 text tokens
-VACE_CHANNELS = 24
-
-
-def tiny_wan(head_dim: int = 12, heads: int = 2, layers: int = 2, i2v: bool = False, seed: int = 0,
-             rope_max_seq_len: int = 32, in_channels: int = 16, **config) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    kwargs = dict(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=in_channels,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=rope_max_seq_len,
-    )
-    if i2v:
-        kwargs.update(image_dim=8, added_kv_proj_dim=heads * head_dim, in_channels=in_channels + 20)
-    kwargs.update(config)
-    model = WanTransformer3DModel(**kwargs).eval()
-    # Random weights everywhere, including the zero-initialised ones, so every path matters numerically.
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.2)
-    return model
-
-
-def tiny_vace(vace_layers=(0, 2), layers: int = 3, seed: int = 0, head_dim: int = 12, heads: int = 2,
-              **config) -> WanVACETransformer3DModel:
-    """A tiny random VACE transformer; the default VACE layers [0, 2] of 3 are not contiguous."""
-    torch.manual_seed(seed)
-    model = WanVACETransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, vace_layers=list(vace_layers),
-        vace_in_channels=VACE_CHANNELS, **config,
-    ).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.2)
-    return model
-
-
-def conditioning(model, batch: int = 2, text_len: int = 12, image_tokens: int = 4, seed: int = 1):
-    """(encoder_hidden_states, encoder_hidden_states_image or None) for ``model``."""
-    g = torch.Generator().manual_seed(seed)
-    is_i2v = model.config.image_dim is not None
-    text = torch.randn(batch, I2V_TEXT_LEN if is_i2v else text_len, TEXT_DIM, generator=g)
-    image = torch.randn(batch, image_tokens, model.config.image_dim, generator=g) if is_i2v else None
-    return text, image
-
-
-class MaskedStockProcessor:
-    """The stock processor with a fixed self-attention mask: the reference full-sequence forward."""
-
-    def __init__(self, mask: torch.Tensor):
-        self.mask = mask
-        self.stock = WanAttnProcessor()
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        mask = self.mask if encoder_hidden_states is None else None
-        return self.stock(attn, hidden_states, encoder_hidden_states, mask, rotary_emb)
+from diffusers_causal_kv.testing import (  # noqa: F401 (re-exported: the tests import them from here)
+    I2V_TEXT_LEN,
+    TEXT_DIM,
+    VACE_CHANNELS,
+    MaskedStockProcessor,
+    tiny_vace,
+    tiny_wan,
+)
+from diffusers_causal_kv.testing import tiny_conditioning as conditioning  # noqa: F401
 
 
 def block_causal_mask(chunk_frames: list[int], frame_tokens: int) -> torch.Tensor:

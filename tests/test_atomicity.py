@@ -10,8 +10,8 @@ from diffusers_causal_kv import (
     CausalWanAttnProcessor,
     RollingKVCacheEngine,
     StaticKVCacheEngine,
-    context,
 )
+from diffusers_causal_kv.model import commits_together, forward_pass
 
 pytestmark = pytest.mark.usefixtures("make_engine")  # run every test on each engine
 
@@ -106,7 +106,7 @@ def test_out_of_memory_allocating_a_later_block_on_a_first_commit(make, monkeypa
     text, _ = conditioning(model)
     x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     committing, allocations = [], []
-    commit_passes, new_empty = context._commit_passes, torch.Tensor.new_empty
+    commit_passes, new_empty = forward_pass._commit_passes, torch.Tensor.new_empty
 
     def tracked_commit(passes):
         committing.append(True)
@@ -122,7 +122,7 @@ def test_out_of_memory_allocating_a_later_block_on_a_first_commit(make, monkeypa
                 raise torch.OutOfMemoryError("simulated")
         return new_empty(self, *args, **kwargs)
 
-    monkeypatch.setattr(context, "_commit_passes", tracked_commit)
+    monkeypatch.setattr(forward_pass, "_commit_passes", tracked_commit)
     monkeypatch.setattr(torch.Tensor, "new_empty", failing_new_empty)
     with pytest.raises(torch.OutOfMemoryError):
         forward(model, x, torch.zeros(2), text, store_kv=True)
@@ -140,12 +140,12 @@ def test_commits_together_writes_every_held_commit_at_the_outermost_exit_or_none
     text, _ = conditioning(model)
     engine = model.kv_cache_engines["main"]
     x = torch.randn(2, 16, 2, 4, 4)
-    with pytest.raises(RuntimeError, match="after the first tag"), context.commits_together():
+    with pytest.raises(RuntimeError, match="after the first tag"), commits_together():
         forward(model, x, torch.zeros(2), text, cache_tag="pos", store_kv=True)
         raise RuntimeError("after the first tag")
     assert engine.tags() == []
-    with context.commits_together():
-        with context.commits_together():
+    with commits_together():
+        with commits_together():
             forward(model, x, torch.zeros(2), text, cache_tag="pos", store_kv=True)
         assert engine.tags() == []  # held by the outer block
         forward(model, x, torch.zeros(2), text, cache_tag="neg", store_kv=True)

@@ -157,7 +157,6 @@ class CacheModel:
         self.kind, self.window, self.sink = kind, window, sink
         self.tags: dict[str, TagModel] = {}
         self.resume: dict[str, int] = {}  # rolling: tags skipped forward before their first commit
-        self.cross_batch: dict[str, int] = {}  # cleared cross entries stay allocated (zeroed) for reuse
 
     def num_frames(self, tag):
         return len(self.tags[tag].frames) if tag in self.tags else self.resume.get(tag, 0)
@@ -197,7 +196,6 @@ class CacheModel:
         state.text_seed = text_seed if state.text_seed is None else state.text_seed
         state.frames += chunk_frames
         state.allocated = True
-        self.cross_batch[tag] = batch
         if self.window is not None:
             state.oldest = max(state.oldest, len(state.frames) - (self.window - self.sink - 1))
 
@@ -248,7 +246,8 @@ class CacheModel:
     def memory_bytes(self) -> int:
         frame = BLOCKS * 2 * FRAME_TOKENS * HEADS * HEAD_DIM * 4  # K and V of one frame per batch element
         cross = BLOCKS * 2 * TEXT_LEN * HEADS * HEAD_DIM * 4
-        total = sum(b * cross for b in self.cross_batch.values())
+        # A tag's first commit fills its cross entries; clear() drops them with the tag (the engine holds nothing).
+        total = sum(state.batch * cross for state in self.tags.values() if state.text_seed is not None)
         for state in self.tags.values():
             held = {"vanilla": len(state.frames), "static": STATIC_FRAMES * state.allocated,
                     "rolling": (self.window or 0) - 1 if state.allocated else 0}[self.kind]

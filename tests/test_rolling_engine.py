@@ -360,7 +360,7 @@ def test_failed_first_commit_allocates_nothing_and_keeps_a_skip(monkeypatch):
         raise MemoryError("simulated out of memory while allocating the ring buffers")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "_self_allocate", out_of_memory)
+        patch.setattr(engine, "_allocate", out_of_memory)
         with pytest.raises(MemoryError, match="simulated"):
             forward(model, torch.randn(1, 16, 1, H, W), torch.zeros(1), text, start_frame=5, store_kv=True)
     assert engine.tags() == [] and engine.memory_bytes() == 0 and engine.next_frame("pos") == 5

@@ -34,14 +34,14 @@ class _AttentionSpy:
 
     def __init__(self, engine, monkeypatch):
         self.calls = []
-        original = engine.attention_kv
+        original = engine.update
 
-        def spy(block_idx, p, key, value):
-            out = original(block_idx, p, key, value)
-            self.calls.append((block_idx, *out))
+        def spy(block_idx, info, key, value, rotary, memo=None):
+            out = original(block_idx, info, key, value, rotary, memo)
+            self.calls.append((block_idx, out.key, out.value))
             return out
 
-        monkeypatch.setattr(engine, "attention_kv", spy)
+        monkeypatch.setattr(engine, "update", spy)
 
 
 def test_no_grad_reads_are_views_of_the_buffers(model, monkeypatch):
@@ -114,7 +114,7 @@ def test_memory_bytes_is_the_allocated_size(model):
     engine.crop(1)
     assert engine.memory_bytes() == self_bytes + cross_bytes  # allocated once, whatever is cached
     engine.clear()
-    assert engine.memory_bytes() == cross_bytes  # cross entries stay zeroed for reuse; buffers are freed
+    assert engine.memory_bytes() == 0  # after clear() the engine holds nothing
 
 
 @pytest.mark.parametrize("store_kv", [False, True], ids=["denoise", "commit"])

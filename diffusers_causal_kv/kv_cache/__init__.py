@@ -1,6 +1,9 @@
-"""KV-cache engines. ``KVCacheEngine`` is the default engine, the vanilla reference."""
+"""KV-cache engines. ``KVCacheEngine`` is the default engine, the vanilla reference.
 
-from .base import BaseKVCacheEngine, CrossEntry, TagInfo
+This package knows tensors only: it imports nothing of ``diffusers_causal_kv`` but the rotary-math leaf.
+"""
+
+from .base import AttentionKV, BaseKVCacheEngine, CrossEntry, PassInfo, StagedChunk, TagInfo, owning_engine
 from .rolling_engine import RollingKVCacheEngine
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine
@@ -8,11 +11,15 @@ from .vanilla_engine import VanillaKVCacheEngine
 KVCacheEngine = VanillaKVCacheEngine
 
 __all__ = [
+    "AttentionKV",
     "BaseKVCacheEngine",
     "CrossEntry",
     "KVCacheEngine",
+    "PassInfo",
     "RollingKVCacheEngine",
+    "StagedChunk",
     "StaticKVCacheEngine",
     "TagInfo",
     "VanillaKVCacheEngine",
+    "owning_engine",
 ]

@@ -1,67 +1,89 @@
-"""Shared storage, registration and cross-attention entries for every KV-cache engine.
+"""The engine contract: what every KV-cache engine does, and the one place its policies are decided.
 
 An engine serves one *branch* of a transformer (``"main"`` owns ``transformer.blocks[*]``, ``"vace"`` owns
-``transformer.vace_blocks[*]``). Two keys select one entry inside it: the block index, local to the branch, and
-the ``cache_tag`` (``"pos"``/``"neg"`` for classifier-free guidance, or any string).
+``transformer.vace_blocks[*]``). Two keys select one entry inside it: the block index, local to the branch, and the
+``cache_tag`` (``"pos"``/``"neg"`` for classifier-free guidance, or any string). Engines know tensors only: a pass
+is described to them by a frozen :class:`PassInfo`, positions arrive as a :class:`~diffusers_causal_kv.rotary.
+ChunkRotary`, and this package imports nothing above it but that leaf.
 
 Registration
-    ``_module_to_block[id(attn)] = block_idx`` for the self- and the cross-attention module of every block the
-    branch owns. The model layer registers when a :class:`~diffusers_causal_kv.CausalContext` opens; processors
-    look the block up through :meth:`BaseKVCacheEngine.block_index`.
+    :meth:`register_module` records ``attn -> block_idx`` for the self- and the cross-attention module of every
+    block the branch owns (the model layer does it when a context first opens); :meth:`owns` and
+    :meth:`block_index` answer the processors, :func:`owning_engine` routes among the engines of a map.
 
 Self-attention entries (``_self_kv[block_idx][cache_tag]``)
-    The cached prefix of committed latent frames. The payload is engine specific (a list of chunks for the
-    vanilla engine); every engine exposes it through the same verbs:
+    The committed prefix. The payload is a concrete engine's storage; it implements six small hooks
+    (``_new_entry``, ``_allocate``, ``_write``, ``_pieces``, ``_crop_entry``, ``_entry_bytes``) and nothing else of the
+    protocol. The base class decides, once for every engine:
 
-    1. :meth:`ensure_capacity` creates the entries of a tag, empty.
-    2. :meth:`append_self_kv` appends one committed chunk's K/V (``[batch, tokens, heads, head_dim]``, detached).
-    3. :meth:`self_attention_qkv`, the single call between processor and engine, applies the chunk's RoPE and
-       returns ``[cached_prefix | current_chunk]`` to attend over (through :meth:`attention_kv`).
-       :meth:`get_self_prefix` reads the prefix alone.
-    4. :meth:`crop` drops the newest frames of a tag; :meth:`clear` empties every entry.
+    * **the one call**, :meth:`update`: given the chunk's key/value (``[batch, tokens, heads, head_dim]``, key
+      before RoPE) and its :class:`ChunkRotary`, return the K/V to attend over, ``[prefix | chunk]``, and the chunk's
+      K/V as a commit would store them (the caller stages those for a ``store_kv=True`` pass);
+    * **positions**: engines that keep absolute positions store keys after RoPE; an engine that sets
+      :attr:`reindexes_positions` stores them before and the prefix is rotated at read time to window positions
+      ``0, 1, ...`` (the chunk then sits right after it, at :meth:`rope_start_frame`);
+    * **gradients**: a pass with gradients enabled attends over fresh tensors (never a view of storage a later
+      commit, crop or eviction could overwrite) and remembers the prefix it read in the caller's ``memo``, so a
+      gradient-checkpointing recomputation sees the same prefix even after later commits; it writes nothing. Only a
+      no-grad pass may attend over views or write scratch in place (:meth:`_attend_no_grad`).
 
 Cross-attention entries (``_cross_kv[block_idx][cache_tag]``, a :class:`CrossEntry`)
-    The K/V of the whole conditioning context of a block: text tokens, plus the image tokens of Wan2.1 I2V
-    (kept apart because the stock processor attends to them separately). Written once, read many times:
-
-    1. :meth:`ensure_capacity` allocates zero K/V with ``is_init=False``.
-    2. The first forward with ``store_kv=True`` fills them (at its commit).
-    3. Later no-grad forwards read them and skip the K/V projections; forwards with gradients enabled
-       recompute K/V from the conditioning and never read them.
-    4. :meth:`clear` zeroes every entry and resets ``is_init``.
+    The K/V of the whole conditioning of a block: text tokens, plus the image tokens of Wan2.1 I2V (kept apart, as
+    the stock processor attends to them separately). Written by the tag's first commit, read by later no-grad
+    passes (:meth:`read_cross`); passes with gradients enabled recompute them and never read them.
 
 Per-tag metadata (:class:`TagInfo`)
-    Batch size, dtype, device, tokens per latent frame, the number of cached frames, a fingerprint of the
-    conditioning the cross entries were built from and the state of the K/V projection weights the tag was filled
-    with (parameter version counters, LoRA adapter state). :meth:`check_pass` compares an incoming forward against
-    it.
+    Batch size, dtype, device, tokens per latent frame, frames committed, and the conditioning fingerprint and K/V
+    projection state the tag was filled with. :meth:`check_pass` compares an incoming pass against it before any
+    work; :meth:`check_schedule` answers for a whole rollout before it starts.
 
-Lifecycle of a forward
-    The model-layer hook calls :meth:`check_pass` on every engine before any work (wrong ``start_frame``, batch,
-    dtype, device, frame size or conditioning raise here, the cache untouched). During the forward, processors call
-    :meth:`self_attention_qkv` and :meth:`read_cross`; what a ``store_kv=True`` forward produces is *staged* on the
-    :class:`~diffusers_causal_kv.context.ForwardPass`, and written when the forward returned, in two phases over
-    all engines of the pass: :meth:`prepare_commit` allocates (undone by :meth:`abort_commit` if any engine fails
-    to), then :meth:`commit` writes into the allocated storage. A forward that raises commits nothing; writes go
-    through :func:`writable`, so storage allocated under ``torch.inference_mode()`` stays writable outside it.
+Commits (two phases over every engine of a pass, run by the caller)
+    :meth:`prepare_commit` allocates (the only step that may run out of memory) and says whether it created the
+    tag; :meth:`abort_commit` undoes that if another engine failed to prepare; :meth:`commit` writes the staged chunk
+    and, on the tag's first commit, its cross entries. Writes go through :func:`writable`, so storage allocated
+    under ``torch.inference_mode()`` stays writable outside it and the other way round.
+
+Going back and clearing
+    :meth:`crop` drops the newest frames of one tag or every tag (cross entries kept). :meth:`clear` drops every
+    entry of one tag or of every tag: afterwards the engine holds nothing of them, and the tag's next pass starts
+    at frame 0 with any conditioning, dtype or device.
 
 Errors
-    ``ValueError`` for inputs that do not continue a tag (``start_frame``, batch size, dtype, device, frame size,
-    conditioning); ``RuntimeError`` for a tag whose K/V projection weights changed since it was filled (stale);
+    ``ValueError`` for passes that do not continue a tag (``start_frame``, batch size, dtype, device, frame size,
+    conditioning); ``RuntimeError`` for a tag whose K/V projection state changed since it was filled (stale);
     ``KeyError`` for a module the engine did not register. Each message names the fix.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..positions import apply_rotary_emb
+from ..rotary import ChunkRotary, apply_rotary_emb
 
-if TYPE_CHECKING:
-    from ..context import ForwardPass, StagedKV
+
+@dataclass(frozen=True)
+class PassInfo:
+    """What an engine knows of one transformer forward on one tag (built by the model layer after validation)."""
+
+    cache_tag: str
+    start_frame: int
+    chunk_frames: int
+    """Post-patch latent frames of this forward's chunk."""
+    frame_tokens: int
+    """Tokens per latent frame (post-patch height x width)."""
+    batch_size: int
+    dtype: torch.dtype
+    device: torch.device
+    grad_enabled: bool
+    store_kv: bool
+    conditioning: tuple = field(default=(), repr=False)
+    """A fingerprint of the conditioning inputs; a filled tag accepts only the one it was filled with."""
+    weights: tuple = field(default=(), repr=False)
+    """The state of everything that computes cached K/V; a filled tag refuses another one as stale."""
 
 
 @dataclass
@@ -72,31 +94,49 @@ class CrossEntry:
     value: torch.Tensor
     key_img: torch.Tensor | None = None
     value_img: torch.Tensor | None = None
-    is_init: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.key, self.value, self.key_img, self.value_img) if t is not None]
 
 
 @dataclass
+class StagedChunk:
+    """What one ``store_kv=True`` forward produced for one engine: the chunk's K/V per block (as :meth:`~
+    BaseKVCacheEngine.update` returned them for the commit) and the projected cross K/V per block."""
+
+    self_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cross_kv: dict[int, CrossEntry] = field(default_factory=dict)
+
+
+class AttentionKV(NamedTuple):
+    """Result of :meth:`BaseKVCacheEngine.update`: what to attend over, and what a commit of the chunk stores."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    commit_key: torch.Tensor
+    commit_value: torch.Tensor
+
+
+@dataclass
 class TagInfo:
-    """What a tag was built with; later forwards on the tag must match it."""
+    """What a tag was built with; later passes on the tag must match it."""
 
     batch_size: int
     dtype: torch.dtype
     device: torch.device
     frame_tokens: int
-    num_frames: int = 0
+    committed_frames: int = 0
+    """Frames committed to the tag so far (for bounded engines, evicted ones included)."""
     conditioning: tuple | None = field(default=None, repr=False)
     weights: tuple | None = field(default=None, repr=False)
 
 
 class BaseKVCacheEngine:
-    """Storage shared by all engines: registration, per-tag metadata and cross-attention entries.
+    """The engine contract (see the module docstring); subclasses implement storage only."""
 
-    Subclasses implement the self-attention payload through the ``_self_*`` methods; an engine that re-indexes
-    positions overrides :meth:`self_attention_qkv` to cache keys before RoPE.
-    """
+    #: Whether keys are cached before RoPE and the prefix is numbered ``0, 1, ...`` at read time (then
+    #: ``rope_max_seq_len`` does not bound the length of a rollout).
+    reindexes_positions = False
 
     def __init__(self) -> None:
         self._module_to_block: dict[int, int] = {}
@@ -110,9 +150,11 @@ class BaseKVCacheEngine:
         self._module_to_block[id(attn)] = block_idx
 
     def owns(self, attn: torch.nn.Module) -> bool:
+        """Whether ``attn`` was registered with this engine."""
         return id(attn) in self._module_to_block
 
     def block_index(self, attn: torch.nn.Module) -> int:
+        """The block ``attn`` was registered at (local to this engine's branch)."""
         try:
             return self._module_to_block[id(attn)]
         except KeyError:
@@ -127,84 +169,163 @@ class BaseKVCacheEngine:
 
     # ------------------------------------------------------------------ state queries
     def tags(self) -> list[str]:
+        """The tags holding entries."""
         return list(self._tags)
 
     def num_frames(self, cache_tag: str) -> int:
-        """Number of latent frames the tag holds."""
+        """Frames committed to the tag so far (append-only engines hold all of them)."""
         info = self._tags.get(cache_tag)
-        return 0 if info is None else info.num_frames
+        return 0 if info is None else info.committed_frames
 
     def next_frame(self, cache_tag: str) -> int:
-        """The ``start_frame`` the next cached pass on ``cache_tag`` must use (append-only: the cached frames)."""
+        """The ``start_frame`` the next cached pass on ``cache_tag`` must use."""
         return self.num_frames(cache_tag)
 
-    #: Whether :meth:`rope_start_frame` numbers frames inside a window rather than absolutely (then
-    #: ``rope_max_seq_len`` does not bound the length of a rollout).
-    reindexes_positions = False
-
-    def rope_start_frame(self, cache_tag: str, start_frame: int, num_frames: int) -> int:
-        """Temporal RoPE position of the first frame of a chunk of ``num_frames`` frames at ``start_frame``.
-
-        Engines caching keys after RoPE place a chunk at its absolute frame index, ``start_frame``, which
-        ``rope_max_seq_len`` bounds; an engine that re-indexes positions inside a window returns the chunk's
-        position there. The model layer asks before any work and checks the result against the RoPE table.
-        """
-        return start_frame
+    def rope_start_frame(self, cache_tag: str, start_frame: int, chunk_frames: int) -> int:
+        """Temporal RoPE position of the first frame of a chunk of ``chunk_frames`` frames at ``start_frame``: the
+        absolute frame index, or, for an engine that re-indexes positions, the number of prefix frames it reads."""
+        if not self.reindexes_positions:
+            return start_frame
+        entry = self._any_entry(cache_tag)
+        return 0 if entry is None else sum(k.shape[1] for k in self._pieces(entry, chunk_frames)[0]) // (
+            self._tags[cache_tag].frame_tokens)
 
     def is_cross_init(self, cache_tag: str) -> bool:
-        return any(tags[cache_tag].is_init for tags in self._cross_kv.values() if cache_tag in tags)
+        """Whether the tag's cross entries are filled."""
+        return any(cache_tag in tags for tags in self._cross_kv.values())
 
     def memory_bytes(self) -> int:
         """Exact bytes held by the tensors of every self and cross entry."""
-        total = sum(self._self_entry_bytes(e) for tags in self._self_kv.values() for e in tags.values())
-        total += sum(t.nbytes for tags in self._cross_kv.values() for e in tags.values() for t in e.tensors())
-        return total
+        total = sum(self._entry_bytes(e) for tags in self._self_kv.values() for e in tags.values())
+        return total + sum(t.nbytes for tags in self._cross_kv.values() for e in tags.values() for t in e.tensors())
 
-    # ------------------------------------------------------------------ lifecycle verbs
-    def ensure_capacity(self, cache_tag: str, info: TagInfo, cross_like: dict[int, CrossEntry]) -> None:
-        """Create the tag's entries if missing: empty self entries, zeroed cross entries with ``is_init=False``.
+    # ------------------------------------------------------------------ checks (before any work)
+    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        """Raise if chunks of ``sizes`` frames from ``first_frame`` on cannot run on this engine (asked before a
+        rollout clears or commits anything). Unbounded append-only engines take any schedule."""
 
-        ``cross_like`` gives, per block, tensors whose shapes the cross entries take.
-        """
-        if cache_tag not in self._tags:
-            self._tags[cache_tag] = TagInfo(info.batch_size, info.dtype, info.device, info.frame_tokens,
-                                            weights=info.weights)
-        for block_idx in sorted(set(self._module_to_block.values())):
-            tags = self._self_kv.setdefault(block_idx, {})
-            if cache_tag not in tags:
-                tags[cache_tag] = self._self_new_entry(info)
-        for block_idx, like in cross_like.items():
-            tags = self._cross_kv.setdefault(block_idx, {})
-            held = tags.get(cache_tag)
-            # A zeroed entry left by clear() is reused unless the new conditioning has another shape.
-            if held is None or (not held.is_init and _shapes(held) != _shapes(like)):
-                tags[cache_tag] = CrossEntry(
-                    *(None if t is None else torch.zeros_like(t)
-                      for t in (like.key, like.value, like.key_img, like.value_img))
+    def check_pass(self, info: PassInfo) -> None:
+        """Raise if the pass does not continue its tag's cache. Called before any work."""
+        tag, tag_info = info.cache_tag, self._tags.get(info.cache_tag)
+        expected = self.next_frame(tag)
+        if info.start_frame != expected:
+            raise ValueError(
+                f"cache tag {tag!r} holds {self.num_frames(tag)} frames but start_frame={info.start_frame}; "
+                f"call clear_caches() or pass start_frame={expected}."
+            )
+        if tag_info is None:
+            return
+        for what, cached, given in (
+            ("batch size", tag_info.batch_size, info.batch_size), ("dtype", tag_info.dtype, info.dtype),
+            ("device", tag_info.device, info.device), ("tokens per latent frame", tag_info.frame_tokens,
+                                                       info.frame_tokens),
+        ):
+            if cached != given:
+                raise ValueError(
+                    f"cache tag {tag!r} was built with {what} {cached} but this forward has {given}; "
+                    f"call clear_caches() before changing it, or use another cache_tag."
                 )
+        if tag_info.conditioning is not None and tag_info.conditioning != info.conditioning:
+            raise ValueError(
+                f"cache tag {tag!r} holds cross-attention K/V built from other conditioning (a different prompt "
+                "or image embedding); call clear_caches() before changing the conditioning of a tag, "
+                "or use another cache_tag."
+            )
+        if tag_info.weights is not None and tag_info.weights != info.weights:
+            raise RuntimeError(
+                f"the K/V projection weights changed since cache tag {tag!r} was filled (an optimizer step, "
+                "load_lora_adapter/set_adapters/fuse_lora/unfuse_lora, or an in-place weight edit), so its cached "
+                "K/V are stale; call clear_caches() after changing weights and roll out again."
+            )
 
-    def append_self_kv(self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one committed chunk's K/V to a block's self entry (the tag's frame count is kept by commit)."""
-        self._self_append(self._self_kv[block_idx][cache_tag], key.detach(), value.detach())
+    # ------------------------------------------------------------------ reads
+    def update(self, block_idx: int, info: PassInfo, key: torch.Tensor, value: torch.Tensor,
+               rotary: ChunkRotary | None, memo: dict | None = None) -> AttentionKV:
+        """The one call between processor and engine (see the module docstring). ``key`` is before RoPE; ``memo``
+        is a dict the caller keeps per pass and engine, for grad-enabled passes."""
+        chunk_key = key if rotary is None else rotary.apply(key)
+        stored_key = key if self.reindexes_positions else chunk_key
+        if not info.grad_enabled:
+            return self._attend_no_grad(block_idx, info, chunk_key, value, stored_key, rotary)
+        memo = {} if memo is None else memo
+        if block_idx not in memo:
+            memo[block_idx] = self._read(block_idx, info.cache_tag, info.chunk_frames, rotary)
+        keys, values = _join(memo[block_idx], chunk_key, value)
+        return AttentionKV(keys, values, stored_key.detach(), value.detach())
 
     def get_self_prefix(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The cached prefix K/V of a block as fresh tensors, or ``None`` when the tag holds no frames (a bounded engine
-        may hold none of the frames committed to it)."""
-        entry = self._self_kv.get(block_idx, {}).get(cache_tag)
-        if entry is None or self.num_frames(cache_tag) == 0:
-            return None
-        return self._self_prefix(entry)
+        """Every frame a block holds for the tag, as stored (fresh tensors), or ``None`` when it holds none."""
+        return self._read(block_idx, cache_tag, 0, None)
 
     def read_cross(self, block_idx: int, cache_tag: str) -> CrossEntry | None:
-        """The block's filled cross entry for the tag, or ``None`` if it is not initialised."""
-        entry = self._cross_kv.get(block_idx, {}).get(cache_tag)
-        return entry if entry is not None and entry.is_init else None
+        """The block's filled cross entry for the tag, or ``None``."""
+        return self._cross_kv.get(block_idx, {}).get(cache_tag)
 
+    def _read(self, block_idx, cache_tag, chunk_frames, rotary) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prefix a chunk of ``chunk_frames`` frames attends to (0: every held frame), as fresh tensors; keys
+        rotated to window positions when this engine re-indexes them and ``rotary`` is given."""
+        entry = self._self_kv.get(block_idx, {}).get(cache_tag)
+        keys, values = ([], []) if entry is None else self._pieces(entry, chunk_frames)
+        if not keys:
+            return None
+        key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        if self.reindexes_positions and rotary is not None:
+            frame_tokens = self._tags[cache_tag].frame_tokens
+            key = apply_rotary_emb(key, *rotary.for_frames(key.shape[1] // frame_tokens, frame_tokens))
+        return key, value
+
+    def _attend_no_grad(self, block_idx, info, chunk_key, value, stored_key, rotary) -> AttentionKV:
+        """A no-grad pass: ``[prefix | chunk]`` in one copy (an engine may attend over views instead)."""
+        if self.reindexes_positions:
+            keys, values = _join(self._read(block_idx, info.cache_tag, info.chunk_frames, rotary), chunk_key, value)
+            return AttentionKV(keys, values, stored_key, value)
+        entry = self._self_kv.get(block_idx, {}).get(info.cache_tag)
+        keys, values = ([], []) if entry is None else self._pieces(entry, info.chunk_frames)
+        if not keys:
+            return AttentionKV(chunk_key, value, stored_key, value)
+        return AttentionKV(torch.cat([*keys, chunk_key], dim=1), torch.cat([*values, value], dim=1), stored_key, value)
+
+    # ------------------------------------------------------------------ commits
+    def prepare_commit(self, info: PassInfo, staged: StagedChunk) -> bool:
+        """Allocate what :meth:`commit` writes into; returns whether it created the tag (for :meth:`abort_commit`)."""
+        created = info.cache_tag not in self._tags
+        if created:
+            self._tags[info.cache_tag] = TagInfo(info.batch_size, info.dtype, info.device, info.frame_tokens,
+                                                 weights=info.weights)
+        try:
+            for block_idx in sorted(set(self._module_to_block.values())):
+                entries = self._self_kv.setdefault(block_idx, {})
+                if info.cache_tag not in entries:
+                    entries[info.cache_tag] = self._new_entry(self._tags[info.cache_tag])
+            for block_idx, (key, value) in staged.self_kv.items():
+                self._allocate(self._self_kv[block_idx][info.cache_tag], key, value)
+        except BaseException:
+            self.abort_commit(info, created)
+            raise
+        return created
+
+    def abort_commit(self, info: PassInfo, created: bool) -> None:
+        """Undo :meth:`prepare_commit`: forget a tag it created (existing tags gained no state from it)."""
+        if created:
+            self._drop_tag(info.cache_tag)
+
+    def commit(self, info: PassInfo, staged: StagedChunk) -> None:
+        """Write the staged chunk into every block, and the cross entries if the tag had none yet."""
+        tag = info.cache_tag
+        for block_idx, (key, value) in staged.self_kv.items():
+            self._write(self._self_kv[block_idx][tag], key.detach(), value.detach())
+        self._tags[tag].committed_frames += info.chunk_frames
+        if staged.cross_kv and not self.is_cross_init(tag):
+            for block_idx, entry in staged.cross_kv.items():
+                self._cross_kv.setdefault(block_idx, {})[tag] = CrossEntry(*(
+                    None if t is None else t.detach() for t in (entry.key, entry.value, entry.key_img,
+                                                               entry.value_img)))
+            self._tags[tag].conditioning = info.conditioning
+
+    # ------------------------------------------------------------------ going back
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
-        """Keep the first ``num_frames`` cached frames (a negative value drops that many newest ones).
-
-        Applies to ``cache_tag``, or to every tag when ``None``. Cross entries are kept.
-        """
+        """Keep the first ``num_frames`` committed frames of ``cache_tag`` (every tag when ``None``); a negative
+        value drops that many newest ones. Cross entries are kept."""
         targets = [cache_tag] if cache_tag is not None else self.tags()
         keep = {}
         for tag in targets:  # validate every tag before cropping any
@@ -215,160 +336,67 @@ class BaseKVCacheEngine:
                     f"crop({num_frames}) on cache tag {tag!r}, which holds {cached} frames: pass a frame count "
                     f"between {-cached} and {cached}."
                 )
+            self._check_crop(tag, keep[tag], num_frames)
         for tag in targets:
-            info = self._tags.get(tag)
-            if info is None:
-                continue
-            for tags in self._self_kv.values():
-                self._self_crop(tags[tag], keep[tag] * info.frame_tokens)
-            info.num_frames = keep[tag]
+            if tag in self._tags:
+                for entries in self._self_kv.values():
+                    self._crop_entry(entries[tag], keep[tag])
+                self._tags[tag].committed_frames = keep[tag]
 
-    def clear(self) -> None:
-        """Empty every self entry, zero every cross entry and forget every tag's metadata."""
-        for tags in self._cross_kv.values():
-            for entry in tags.values():
-                for t in entry.tensors():
-                    with writable(t):
-                        t.zero_()
-                entry.is_init = False
-        self._self_kv.clear()
-        self._tags.clear()
+    def check_rope_table(self, positions: int) -> None:
+        """Raise if this engine numbers positions past a RoPE table of ``positions`` rows (only an engine that
+        re-indexes positions decides its own; the model layer checks the others' absolute positions)."""
 
-    # ------------------------------------------------------------------ the pass protocol
-    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
-        """Raise if chunks of ``sizes`` frames from ``first_frame`` on cannot run on this engine; the rollout helpers
-        ask before they clear or commit anything. Append-only engines without a bound take any schedule."""
+    def _check_crop(self, cache_tag: str, keep: int, num_frames: int) -> None:
+        """Raise if the tag cannot end at frame ``keep`` (an engine that evicts frames cannot restore them)."""
 
-    def check_pass(self, p: ForwardPass) -> None:
-        """Raise if the forward ``p`` does not continue its tag's cache. Called before any work."""
-        tag, info = p.cache_tag, self._tags.get(p.cache_tag)
-        expected = self.next_frame(tag)
-        if p.start_frame != expected:
-            raise ValueError(
-                f"cache tag {tag!r} holds {self.num_frames(tag)} frames but start_frame={p.start_frame}; "
-                f"call clear_caches() or pass start_frame={expected}."
-            )
-        if info is None:
-            return
-        for what, cached, given in (
-            ("batch size", info.batch_size, p.batch_size),
-            ("dtype", info.dtype, p.dtype),
-            ("device", info.device, p.device),
-            ("tokens per latent frame", info.frame_tokens, p.frame_tokens),
-        ):
-            if cached != given:
-                raise ValueError(
-                    f"cache tag {tag!r} was built with {what} {cached} but this forward has {given}; "
-                    f"call clear_caches() before changing it, or use another cache_tag."
-                )
-        if info.conditioning is not None and info.conditioning != p.conditioning_fingerprint():
-            raise ValueError(
-                f"cache tag {tag!r} holds cross-attention K/V built from other conditioning (a different prompt "
-                "or image embedding); call clear_caches() before changing the conditioning of a tag, "
-                "or use another cache_tag."
-            )
-        if info.weights is not None and info.weights != p.weights_fingerprint():
-            raise RuntimeError(
-                f"the K/V projection weights changed since cache tag {tag!r} was filled (an optimizer step, "
-                "load_lora_adapter/set_adapters/fuse_lora/unfuse_lora, or an in-place weight edit), so its cached "
-                "K/V are stale; call clear_caches() after changing weights and roll out again."
-            )
+    def clear(self, cache_tag: str | None = None) -> None:
+        """Drop every entry of ``cache_tag``, or of every tag when ``None``: afterwards the engine holds nothing of
+        them, and their next pass starts at frame 0 with any conditioning, dtype or device."""
+        for tag in [cache_tag] if cache_tag is not None else self.tags():
+            self._drop_tag(tag)
 
-    def self_attention_qkv(self, block_idx: int, p: ForwardPass, query, key, value, rotary_emb):
-        """The one call between processor and engine: what self-attention attends with.
+    def _drop_tag(self, cache_tag: str) -> None:
+        self._tags.pop(cache_tag, None)
+        for entries in (*self._self_kv.values(), *self._cross_kv.values()):
+            entries.pop(cache_tag, None)
 
-        Takes the current chunk's query/key/value (``[batch, tokens, heads, head_dim]``, before RoPE) and the
-        chunk's rotary embedding, and returns ``(query, key, value)`` where key/value are
-        ``[cached prefix | current chunk]``. Positions are the engine's business: this engine caches keys after
-        RoPE; an engine that re-indexes positions caches them before and rotates at read time.
-        """
-        if rotary_emb is not None:
-            query, key = apply_rotary_emb(query, *rotary_emb), apply_rotary_emb(key, *rotary_emb)
-        return (query, *self.attention_kv(block_idx, p, key, value))
+    def _any_entry(self, cache_tag: str):
+        return next((tags[cache_tag] for tags in self._self_kv.values() if cache_tag in tags), None)
 
-    def attention_kv(self, block_idx: int, p: ForwardPass, key: torch.Tensor, value: torch.Tensor):
-        """``[prefix | current chunk]`` K/V for a chunk whose keys already carry their positions.
-
-        A ``store_kv=True`` forward stages the chunk's K/V for :meth:`commit`. Forwards with gradients enabled
-        attend over fresh tensors (never views of storage a later commit could overwrite) and remember the prefix
-        they read, so a gradient-checkpointing recomputation sees the same prefix even if more chunks were
-        committed since.
-        """
-        if p.store_kv and not p.recomputing:
-            p.staged_for(self).self_kv[block_idx] = (key.detach(), value.detach())
-        if torch.is_grad_enabled():
-            prefix = p.remembered_prefix(self, block_idx, lambda: self.get_self_prefix(block_idx, p.cache_tag))
-            if prefix is None:
-                return key, value
-            return torch.cat([prefix[0], key], dim=1), torch.cat([prefix[1], value], dim=1)
-        entry = self._self_kv.get(block_idx, {}).get(p.cache_tag)
-        if entry is None or self.num_frames(p.cache_tag) == 0:
-            return key, value
-        return self._self_attend(entry, key, value)
-
-    def prepare_commit(self, p: ForwardPass, staged: StagedKV) -> None:
-        """First half of a commit: allocate what :meth:`commit` writes into (the only step that may run out of
-        memory): the tag's entries and, on its first commit, the self-attention storage of engines that preallocate
-        it. Undone by :meth:`abort_commit` if another engine of the same forward fails to prepare."""
-        info = TagInfo(p.batch_size, p.dtype, p.device, p.frame_tokens, weights=p.weights_fingerprint())
-        staged.created_tag = p.cache_tag not in self._tags
-        try:
-            self.ensure_capacity(p.cache_tag, info, staged.cross_kv)
-            for block_idx, (key, value) in staged.self_kv.items():
-                self._self_allocate(self._self_kv[block_idx][p.cache_tag], key, value)
-        except BaseException:
-            self.abort_commit(p, staged)
-            raise
-
-    def abort_commit(self, p: ForwardPass, staged: StagedKV) -> None:
-        """Undo :meth:`prepare_commit`: forget a tag it created (existing tags gained no state from it)."""
-        if staged.created_tag:
-            self._tags.pop(p.cache_tag, None)
-            for tags in (*self._self_kv.values(), *self._cross_kv.values()):
-                tags.pop(p.cache_tag, None)
-
-    def commit(self, p: ForwardPass, staged: StagedKV) -> None:
-        """Second half: write what a ``store_kv=True`` forward staged into storage :meth:`prepare_commit`
-        allocated: one chunk of frames for every block, and the cross entries if the tag had none yet."""
-        tag = p.cache_tag
-        for block_idx, (key, value) in staged.self_kv.items():
-            self.append_self_kv(block_idx, tag, key, value)
-        self._tags[tag].num_frames += p.num_frames
-        if staged.cross_kv and not self.is_cross_init(tag):
-            for block_idx, filled in staged.cross_kv.items():
-                entry = self._cross_kv[block_idx][tag]
-                for dst, src in zip(entry.tensors(), filled.tensors()):
-                    with writable(dst):
-                        dst.copy_(src)
-                entry.is_init = True
-            self._tags[tag].conditioning = p.conditioning_fingerprint()
-
-    # ------------------------------------------------------------------ engine-specific self payload
-    def _self_new_entry(self, info: TagInfo) -> Any:
+    # ------------------------------------------------------------------ storage: what a concrete engine implements
+    def _new_entry(self, info: TagInfo) -> Any:
+        """An empty self-attention payload for a tag described by ``info``."""
         raise NotImplementedError
 
-    def _self_allocate(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Allocate the entry's storage for chunks shaped like ``key``/``value`` if it has none (default: nothing to
-        preallocate)."""
+    def _allocate(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Allocate storage for chunks shaped like ``key``/``value`` if the entry has none (default: nothing)."""
 
-    def _self_append(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _write(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one committed chunk (keys as stored)."""
         raise NotImplementedError
 
-    def _self_prefix(self, entry: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pieces(self, entry: Any, chunk_frames: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the keys and values a chunk of ``chunk_frames`` frames attends to, in order (0: all held)."""
         raise NotImplementedError
 
-    def _self_attend(self, entry: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _crop_entry(self, entry: Any, keep_frames: int) -> None:
+        """Keep the first ``keep_frames`` committed frames."""
         raise NotImplementedError
 
-    def _self_crop(self, entry: Any, keep_tokens: int) -> None:
+    def _entry_bytes(self, entry: Any) -> int:
         raise NotImplementedError
 
-    def _self_entry_bytes(self, entry: Any) -> int:
-        raise NotImplementedError
+    # ------------------------------------------------------------------ deprecated verbs of 0.1
+    def append_self_kv(self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Deprecated: commits go through :meth:`prepare_commit` and :meth:`commit`."""
+        warnings.warn("append_self_kv() is deprecated; commit through prepare_commit()/commit().",
+                      DeprecationWarning, stacklevel=2)
+        self._write(self._self_kv[block_idx][cache_tag], key.detach(), value.detach())
 
     def __repr__(self) -> str:
         tags = ", ".join(
-            f"{tag!r}: {info.num_frames} frames x {info.frame_tokens} tokens, batch {info.batch_size}, "
+            f"{tag!r}: {info.committed_frames} frames x {info.frame_tokens} tokens, batch {info.batch_size}, "
             f"cross {'filled' if self.is_cross_init(tag) else 'empty'}"
             for tag, info in self._tags.items()
         )
@@ -378,11 +406,26 @@ class BaseKVCacheEngine:
         )
 
 
+def owning_engine(engines: dict[str, BaseKVCacheEngine], attn: torch.nn.Module) -> BaseKVCacheEngine:
+    """The engine of ``engines`` that registered ``attn``; raises if none did."""
+    for engine in engines.values():
+        if engine.owns(attn):
+            return engine
+    raise RuntimeError(
+        f"No KV-cache engine of this CausalContext registered the attention module {type(attn).__name__} at "
+        f"{id(attn):#x}. Only transformer.blocks[*] (and transformer.vace_blocks[*]) are registered; if you "
+        "replaced a module after installation, call transformer.set_attn_processor(CausalWanAttnProcessor()) "
+        "again and open a new context."
+    )
+
+
 def writable(tensor: torch.Tensor):
     """In-place writes into cache storage, which may have been allocated under ``torch.inference_mode()`` (a
     rollout run there) and be written outside it later, or the other way round."""
     return torch.inference_mode(tensor.is_inference())
 
 
-def _shapes(entry: CrossEntry) -> list[tuple[int, ...]]:
-    return [tuple(t.shape) for t in entry.tensors()]
+def _join(prefix, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if prefix is None:
+        return key, value
+    return torch.cat([prefix[0], key], dim=1), torch.cat([prefix[1], value], dim=1)

@@ -25,7 +25,7 @@ Reads and writes
 Capacity
     A pass whose chunk would end after ``max_frames`` raises ``ValueError`` in :meth:`check_pass`, before any work,
     naming the frames needed. :meth:`~BaseKVCacheEngine.crop` only moves ``len`` (the memory stays allocated);
-    :meth:`clear` frees the buffers.
+    :meth:`~BaseKVCacheEngine.clear` frees the buffers.
 
 Memory
     :meth:`~BaseKVCacheEngine.memory_bytes` counts the allocated buffers: ``2 x batch x max_frames * frame_tokens x
@@ -37,14 +37,10 @@ Cross entries, per-tag metadata and the other errors are those of :mod:`diffuser
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .base import BaseKVCacheEngine, TagInfo
-
-if TYPE_CHECKING:
-    from ..context import ForwardPass
+from .base import AttentionKV, BaseKVCacheEngine, PassInfo, TagInfo, writable
 
 
 @dataclass
@@ -55,14 +51,6 @@ class StaticBuffers:
     len: int = 0
 
 
-@dataclass
-class PassViews:
-    """One block's views for the pass in flight, ``[:, :len + chunk]`` of its buffers: the chunk goes at the end."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
 class StaticKVCacheEngine(BaseKVCacheEngine):
     """Append-only KV cache of at most ``max_frames`` latent frames per tag, in preallocated buffers."""
 
@@ -71,31 +59,36 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             raise ValueError(f"max_frames must be a positive int (latent frames per tag), got {max_frames!r}.")
         super().__init__()
         self.max_frames = max_frames
-        self._pass_views: dict[str, dict[int, PassViews]] = {}
+        # Per tag and block, the view [:, :len + chunk] of the buffers for the pass in flight (the chunk at its end).
+        self._pass_views: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def check_pass(self, p: ForwardPass) -> None:
+    def check_pass(self, info: PassInfo) -> None:
         """The base checks, the capacity check, then the views the pass writes and reads (no state changes)."""
-        super().check_pass(p)
-        self._check_capacity(p.start_frame, p.num_frames)
-        self._pass_views.pop(p.cache_tag, None)
-        if torch.is_grad_enabled():
+        super().check_pass(info)
+        self._check_capacity(info.start_frame, info.chunk_frames)
+        self._pass_views.pop(info.cache_tag, None)
+        if info.grad_enabled:
             return
-        chunk_tokens = p.num_frames * p.frame_tokens
+        end_offset = info.chunk_frames * info.frame_tokens
         views = {}
         for block_idx, tags in self._self_kv.items():
-            entry = tags.get(p.cache_tag)
+            entry = tags.get(info.cache_tag)
             if entry is None or entry.keys is None:
                 return
-            end = entry.len + chunk_tokens
-            views[block_idx] = PassViews(entry.keys[:, :end], entry.values[:, :end])
+            if entry.keys.is_inference() and not torch.is_inference_mode_enabled():
+                # Buffers allocated under torch.inference_mode() cannot be written in place outside it, and the write
+                # runs inside the blocks (maybe compiled, where no mode switch can be traced): move them out once.
+                entry.keys, entry.values = entry.keys.clone(), entry.values.clone()
+            end = entry.len + end_offset
+            views[block_idx] = (entry.keys[:, :end], entry.values[:, :end])
         if views:
-            self._pass_views[p.cache_tag] = views
+            self._pass_views[info.cache_tag] = views
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
         self._check_capacity(first_frame + sum(sizes[:-1]), sizes[-1])
 
-    def _check_capacity(self, start_frame: int, num_frames: int) -> None:
-        end_frame = start_frame + num_frames
+    def _check_capacity(self, start_frame: int, chunk_frames: int) -> None:
+        end_frame = start_frame + chunk_frames
         if end_frame > self.max_frames:
             raise ValueError(
                 f"chunk covers latent frames {start_frame}..{end_frame - 1} but this StaticKVCacheEngine holds at "
@@ -103,41 +96,38 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
                 "or more, shorten the rollout, or use a rolling engine."
             )
 
-    def attention_kv(self, block_idx: int, p: ForwardPass, key: torch.Tensor, value: torch.Tensor):
-        """No-grad passes with buffers: write the chunk in place after the prefix and return views of the buffers.
-        Otherwise (gradients enabled, or the tag's first chunk): the base behaviour over fresh tensors."""
-        views = None if torch.is_grad_enabled() else self._pass_views.get(p.cache_tag)
+    def _attend_no_grad(self, block_idx, info, chunk_key, value, stored_key, rotary) -> AttentionKV:
+        """Write the chunk in place after the prefix and attend over views of the buffers (the tag's first chunk,
+        which has no buffers yet, attends over itself)."""
+        views = self._pass_views.get(info.cache_tag)
         if views is None:
-            return super().attention_kv(block_idx, p, key, value)
-        view = views[block_idx]
+            return super()._attend_no_grad(block_idx, info, chunk_key, value, stored_key, rotary)
+        keys, values = views[block_idx]
         # Sliced from the end of the one view, so compiled code sees one input per buffer and no Python offsets.
-        new_keys, new_values = view.keys[:, -key.shape[1]:], view.values[:, -key.shape[1]:]
-        new_keys.copy_(key)
+        new_keys, new_values = keys[:, -chunk_key.shape[1]:], values[:, -chunk_key.shape[1]:]
+        new_keys.copy_(chunk_key)
         new_values.copy_(value)
-        if p.store_kv and not p.recomputing:
-            p.staged_for(self).self_kv[block_idx] = (new_keys, new_values)
-        return view.keys, view.values
+        return AttentionKV(keys, values, new_keys, new_values)
 
-    def clear(self) -> None:
-        super().clear()
+    def clear(self, cache_tag: str | None = None) -> None:
+        super().clear(cache_tag)
         self._pass_views.clear()
 
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
         super().crop(num_frames, cache_tag)
         self._pass_views.clear()
 
-    # ------------------------------------------------------------------ self payload
-    def _self_new_entry(self, info: TagInfo) -> StaticBuffers:
+    # ------------------------------------------------------------------ storage
+    def _new_entry(self, info: TagInfo) -> StaticBuffers:
         return StaticBuffers(capacity=self.max_frames * info.frame_tokens)
 
-    def _self_allocate(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _allocate(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
         if entry.keys is None:  # the tag's first commit, in its prepare phase
             shape = (key.shape[0], entry.capacity, *key.shape[2:])
             entry.keys = key.new_empty(shape)
             entry.values = value.new_empty(shape)
 
-    def _self_append(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._self_allocate(entry, key, value)
+    def _write(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor) -> None:
         start, end = entry.len, entry.len + key.shape[1]
         if end > entry.capacity:  # check_pass refuses such passes; this guards direct calls
             raise ValueError(
@@ -147,23 +137,19 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         for buffer, new in ((entry.keys, key), (entry.values, value)):
             target = buffer[:, start:end]
             if not _same_memory(target, new):  # a no-grad commit already wrote its chunk in place
-                target.copy_(new)
+                with writable(target):
+                    target.copy_(new)
         entry.len = end
 
-    def _self_prefix(self, entry: StaticBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-        # A clone: a crop followed by a commit rewrites the buffer where this prefix lies.
-        return entry.keys[:, : entry.len].clone(), entry.values[:, : entry.len].clone()
+    def _pieces(self, entry: StaticBuffers, chunk_frames: int):
+        if entry.keys is None or not entry.len:
+            return [], []
+        return [entry.keys[:, : entry.len]], [entry.values[:, : entry.len]]
 
-    def _self_attend(self, entry: StaticBuffers, key: torch.Tensor, value: torch.Tensor):
-        start, end = entry.len, entry.len + key.shape[1]
-        entry.keys[:, start:end].copy_(key)
-        entry.values[:, start:end].copy_(value)
-        return entry.keys[:, :end], entry.values[:, :end]
+    def _crop_entry(self, entry: StaticBuffers, keep_frames: int) -> None:
+        entry.len = keep_frames * (entry.capacity // self.max_frames)
 
-    def _self_crop(self, entry: StaticBuffers, keep_tokens: int) -> None:
-        entry.len = keep_tokens
-
-    def _self_entry_bytes(self, entry: StaticBuffers) -> int:
+    def _entry_bytes(self, entry: StaticBuffers) -> int:
         return 0 if entry.keys is None else entry.keys.nbytes + entry.values.nbytes
 
     def __repr__(self) -> str:

@@ -26,6 +26,7 @@ from .base import BaseKVCacheEngine, TagInfo
 
 @dataclass
 class ChunkList:
+    frame_tokens: int
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     len: int = 0
@@ -34,21 +35,19 @@ class ChunkList:
 class VanillaKVCacheEngine(BaseKVCacheEngine):
     """Unbounded, append-only KV cache; the simple reference every other engine is tested against."""
 
-    def _self_new_entry(self, info: TagInfo) -> ChunkList:
-        return ChunkList()
+    def _new_entry(self, info: TagInfo) -> ChunkList:
+        return ChunkList(info.frame_tokens)
 
-    def _self_append(self, entry: ChunkList, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _write(self, entry: ChunkList, key: torch.Tensor, value: torch.Tensor) -> None:
         entry.keys.append(key)
         entry.values.append(value)
         entry.len += key.shape[1]
 
-    def _self_prefix(self, entry: ChunkList) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat(entry.keys, dim=1), torch.cat(entry.values, dim=1)
+    def _pieces(self, entry: ChunkList, chunk_frames: int):
+        return entry.keys, entry.values
 
-    def _self_attend(self, entry: ChunkList, key: torch.Tensor, value: torch.Tensor):
-        return torch.cat([*entry.keys, key], dim=1), torch.cat([*entry.values, value], dim=1)
-
-    def _self_crop(self, entry: ChunkList, keep_tokens: int) -> None:
+    def _crop_entry(self, entry: ChunkList, keep_frames: int) -> None:
+        keep_tokens = keep_frames * entry.frame_tokens
         kept_keys, kept_values, total = [], [], 0
         for key, value in zip(entry.keys, entry.values):
             if total >= keep_tokens:
@@ -61,5 +60,5 @@ class VanillaKVCacheEngine(BaseKVCacheEngine):
             total += take
         entry.keys, entry.values, entry.len = kept_keys, kept_values, total
 
-    def _self_entry_bytes(self, entry: ChunkList) -> int:
+    def _entry_bytes(self, entry: ChunkList) -> int:
         return sum(t.nbytes for t in (*entry.keys, *entry.values))

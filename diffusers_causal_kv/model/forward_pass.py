@@ -1,0 +1,148 @@
+"""One transformer forward under a context, as the model layer runs it: what it tells the engines, what it stages
+for the commit, what it remembers for gradient checkpointing, and the two-phase commit over every engine.
+
+Engines never see this record: they get its :class:`~diffusers_causal_kv.kv_cache.PassInfo` and tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..ambient import held_commits, holding_commits, publishing, release_commits
+from ..kv_cache import BaseKVCacheEngine, CrossEntry, PassInfo, StagedChunk, owning_engine
+from ..masks import CausalMask
+
+
+@dataclass(eq=False)
+class ForwardPass:
+    """A validated forward: its engines and :class:`PassInfo` (cache mode) or its mask (mask modes), the temporal
+    RoPE position of each post-patch input frame, and what it stages and remembers."""
+
+    engines: dict[str, BaseKVCacheEngine]
+    positions: torch.Tensor
+    temporal_rope: tuple[torch.Tensor, torch.Tensor]
+    """The model's temporal RoPE rows, handed to engines that number window frames at read time."""
+    info: PassInfo | None = None
+    mask: CausalMask | None = None
+    recomputing: bool = False
+    _staged: dict[int, tuple[BaseKVCacheEngine, StagedChunk]] = field(default_factory=dict, repr=False)
+    _memos: dict[int, dict] = field(default_factory=dict, repr=False)
+
+    @property
+    def stages(self) -> bool:
+        """Whether attention should stage K/V now (a ``store_kv=True`` forward, not its checkpoint recomputation)."""
+        return self.info.store_kv and not self.recomputing
+
+    def engine_for(self, attn: torch.nn.Module) -> BaseKVCacheEngine:
+        return owning_engine(self.engines, attn)
+
+    def memo_for(self, engine: BaseKVCacheEngine) -> dict:
+        """The prefixes a grad-enabled pass read from ``engine``, per block: a checkpoint recomputation reads them
+        again instead of the engine, which later commits may have changed."""
+        return self._memos.setdefault(id(engine), {})
+
+    def stage_self(self, engine, block_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._staged_for(engine).self_kv[block_idx] = (key.detach(), value.detach())
+
+    def stage_cross(self, engine, block_idx: int, entry: CrossEntry) -> None:
+        self._staged_for(engine).cross_kv[block_idx] = entry
+
+    def _staged_for(self, engine) -> StagedChunk:
+        return self._staged.setdefault(id(engine), (engine, StagedChunk()))[1]
+
+    def commit(self) -> None:
+        """Write what this ``store_kv=True`` forward staged into every engine, or, inside :func:`commits_together`,
+        hold it for the block's end."""
+        if self.info is None or not self.info.store_kv:
+            return
+        for engine in self.engines.values():
+            staged = self._staged.get(id(engine), (engine, StagedChunk()))[1]
+            if len(staged.self_kv) != engine.num_blocks:
+                raise RuntimeError(
+                    f"store_kv forward ran self-attention in {len(staged.self_kv)} of {engine.num_blocks} blocks of "
+                    f"a {type(engine).__name__}, so nothing was committed. A hook that skips blocks (e.g. diffusers' "
+                    "enable_cache) cannot be combined with store_kv=True; disable it for commit passes."
+                )
+        held = held_commits()
+        if held is None or held.closed:
+            _commit_passes([self])
+        else:
+            held.append(self)
+
+    @contextlib.contextmanager
+    def running(self, recomputing: bool = False):
+        """Publish this pass to the attention code (and flag a checkpoint recomputation) for the enclosed code."""
+        previous, self.recomputing = self.recomputing, recomputing
+        try:
+            with publishing(self):
+                yield self
+        finally:
+            self.recomputing = previous
+
+
+def _commit_passes(passes: list[ForwardPass]) -> None:
+    """Write what ``passes`` staged in two phases, so that a failure (out of memory while allocating a new tag's
+    storage) in any engine of any pass leaves every engine as it was: first every engine allocates, then every engine
+    writes."""
+    work = [(p.info, engine, staged) for p in passes for engine, staged in p._staged.values()]
+    prepared = []
+    try:
+        for info, engine, staged in work:
+            prepared.append((info, engine, engine.prepare_commit(info, staged)))
+    except BaseException:
+        for info, engine, created in reversed(prepared):
+            engine.abort_commit(info, created)
+        raise
+    for info, engine, staged in work:
+        engine.commit(info, staged)
+
+
+@contextlib.contextmanager
+def commits_together():
+    """Hold the commits of the ``store_kv=True`` forwards run in the block and write them all when it exits without
+    an error, or none of them: the rollout planner commits a chunk on every tag (``"pos"``, ``"neg"``) this way, so
+    a failure on one tag cannot leave the tags at different frames. Each forward must use its own tag (a held commit
+    is not visible to later forwards of the block)."""
+    if held_commits() is not None:  # nested: the outermost block commits
+        yield
+        return
+    held = _HeldCommits()
+    token = holding_commits(held)
+    try:
+        yield
+    finally:
+        release_commits(token)
+        held.closed = True  # a context copied inside the block (a task it started) then commits at once
+    _commit_passes(held)
+
+
+class _HeldCommits(list):
+    closed = False
+
+
+# The same prompt tensor is passed to every forward of a rollout: remember its fingerprint while it is alive and
+# unmodified (its version counter unchanged), so the reductions and their host sync run once per tensor.
+_FINGERPRINTS = WeakIdKeyDictionary()
+
+
+def conditioning_fingerprint(tensors) -> tuple:
+    """A value fingerprint of the conditioning inputs (shape, dtype and three float64 reductions each)."""
+    return tuple(_fingerprint(t) for t in tensors)
+
+
+def _fingerprint(tensor: torch.Tensor | None):
+    if tensor is None:
+        return None
+    known = _FINGERPRINTS.get(tensor)
+    if known is not None and known[0] == tensor._version:
+        return known[1]
+    flat = tensor.detach().flatten().to(torch.float64)
+    ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(7919)
+    sums = torch.stack([flat.sum(), flat.square().sum(), (flat * ramp).sum()])
+    fingerprint = tuple(tensor.shape), tensor.dtype, tuple(sums.tolist())
+    _FINGERPRINTS[tensor] = (tensor._version, fingerprint)
+    return fingerprint

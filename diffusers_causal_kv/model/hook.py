@@ -1,0 +1,97 @@
+"""The transformer-level hook: each forward under a context is validated, described, run and committed.
+
+``causal_kv`` (a diffusers ``ModelHook`` on the transformer, :class:`CausalForwardHook`): under a context it
+validates the forward's inputs before any work, builds the :class:`~.forward_pass.ForwardPass` (with the engines'
+:class:`~diffusers_causal_kv.kv_cache.PassInfo`), publishes it to the attention code, and commits what a
+``store_kv=True`` forward staged once the forward returns. A forward that raises commits nothing. Without a context
+of its own, the transformer runs the stock forward with stock attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from diffusers.hooks import ModelHook
+
+from ..ambient import current_context, publishing
+from ..kv_cache import PassInfo
+from .checkpointing import route_checkpointing
+from .forward_pass import ForwardPass, conditioning_fingerprint
+from .topology import projection_state, topology
+from .validation import check_forward_inputs, check_rope_range, chunk_rope_start, sequence_mask
+
+HOOK_NAME = "causal_kv"
+
+# diffusers hooks (enable_cache, layer skip) that may return cached or predicted outputs instead of running a block or
+# an attention module: a store_kv=True forward under them would stage K/V for only some blocks.
+BLOCK_SKIPPING_HOOKS = frozenset({
+    "fbc_leader_block_hook", "fbc_block_hook", "mag_cache_leader_block_hook", "mag_cache_block_hook",
+    "sea_cache_leader_block", "sea_cache_block", "pyramid_attention_broadcast", "faster_cache_block",
+    "taylorseer_cache", "layer_skip_hook",
+})
+
+
+class CausalForwardHook(ModelHook):
+    """Validates, runs and commits each forward of the transformer under its context."""
+
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self._signature = inspect.signature(module.forward)
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        context = current_context(module)
+        if context is None:
+            with publishing(None):
+                return self.fn_ref.original_forward(*args, **kwargs)
+        if context.store_kv:
+            _refuse_block_skipping_hooks(module)
+        p = build_forward_pass(module, context, self._signature.bind(*args, **kwargs).arguments)
+        route_checkpointing(module)
+        with p.running():
+            output = self.fn_ref.original_forward(*args, **kwargs)
+        p.commit()
+        return output
+
+
+def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> ForwardPass:
+    """Validate a forward's inputs against the model and the engines (before any work) and describe it."""
+    batch, num_frames, grid_h, grid_w = check_forward_inputs(transformer, inputs)
+    frame_tokens = grid_h * grid_w
+    rope = transformer.rope
+    temporal_rope = (rope.freqs_cos[:, :rope.t_dim], rope.freqs_sin[:, :rope.t_dim])
+    if context.mode != "cache":  # mask modes never touch the cache
+        mask = sequence_mask(context, num_frames, frame_tokens)
+        # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
+        span = num_frames // 2 if context.mode == "teacher_forcing" else num_frames
+        check_rope_range(transformer, context.start_frame, span)
+        positions = (context.start_frame + torch.arange(span)).repeat(num_frames // span)
+        return ForwardPass(context.cache_engines, positions, temporal_rope, mask=mask)
+    hidden_states = inputs["hidden_states"]
+    info = PassInfo(
+        cache_tag=context.cache_tag, start_frame=context.start_frame, chunk_frames=num_frames,
+        frame_tokens=frame_tokens, batch_size=batch, dtype=hidden_states.dtype, device=hidden_states.device,
+        grad_enabled=torch.is_grad_enabled(), store_kv=context.store_kv,
+        conditioning=conditioning_fingerprint(
+            (inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"))),
+        weights=projection_state(transformer),
+    )
+    for engine in context.cache_engines.values():
+        engine.check_pass(info)
+    # Positions last, so that a start_frame that does not continue the cache is reported as that.
+    first = chunk_rope_start(transformer, context.cache_engines, info.cache_tag, info.start_frame, num_frames)
+    return ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info)
+
+
+def _refuse_block_skipping_hooks(transformer: torch.nn.Module) -> None:
+    for branch, blocks in topology(transformer).branches.items():
+        prefix = "blocks" if branch == "main" else "vace_blocks"
+        for name, submodule in blocks.named_modules(prefix=prefix):
+            registry = getattr(submodule, "_diffusers_hook", None)
+            skipping = sorted(BLOCK_SKIPPING_HOOKS.intersection(getattr(registry, "hooks", ())))
+            if skipping:
+                raise RuntimeError(
+                    f"store_kv=True forward refused: {skipping} on {name} may skip blocks or attention, so the cache "
+                    "would be committed for only some blocks. Run commit passes without it: "
+                    "transformer.disable_cache() before the store_kv=True forward, enable_cache(config) after."
+                )

@@ -1,0 +1,179 @@
+"""Installation: the engine branches on the transformer, module registration, the hooks, and their removal.
+
+``transformer.kv_cache_engines`` maps branch names to engines (see :mod:`.topology`). Installation completes when
+the first :class:`~diffusers_causal_kv.CausalContext` opens after ``transformer.set_attn_processor(
+CausalWanAttnProcessor())``: it creates the missing engines, registers each attention module with the engine of its
+branch, and adds two named diffusers hooks, ``causal_kv`` on the transformer (:mod:`.hook`) and
+``causal_kv_rope_positions`` on ``transformer.rope`` (:mod:`diffusers_causal_kv.positions`).
+
+Every open scans the attention modules (diffusers gives no notice when one module's processor is replaced), but an
+engine map is registered once, and again only when the scan finds a replaced module or processor.
+
+Hook order with diffusers' own hooks: a hook registered later wraps the ones registered before it. Ours are
+registered when the first context opens, so they wrap hooks applied earlier and are wrapped by hooks applied later.
+Cache hooks (``transformer.enable_cache(...)``) live on the blocks and attention modules, inside our transformer
+hook, so either order works; a ``store_kv=True`` forward is refused before any work while a hook that may skip blocks
+is registered. Group offloading works in either order at block level; at leaf level it also hooks
+``transformer.rope`` to onload its buffers, and that hook must wrap ours (our RoPE hook computes the tables without
+calling the forward it wraps), so leaf-level offloading must be enabled after the first context opened.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from diffusers.hooks import HookRegistry
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from ..ambient import current_context
+from ..kv_cache import BaseKVCacheEngine, KVCacheEngine
+from ..positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
+from ..processors import CausalWanAttnProcessor
+from .checkpointing import unroute_checkpointing
+from .hook import HOOK_NAME, CausalForwardHook
+from .topology import Topology, topology
+
+# engine -> (transformer id, branch, module/processor signature) it was registered with.
+_REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_transformer(
+    transformer: torch.nn.Module, cache_engines: dict[str, BaseKVCacheEngine] | None = None
+) -> dict[str, BaseKVCacheEngine]:
+    """Complete installation and return the engine map a context uses (validated and registered)."""
+    kind = topology(transformer)
+    attention = kind.attention()
+    installed = [isinstance(attn.processor, CausalWanAttnProcessor) for attn in attention]
+    if not any(installed):
+        raise RuntimeError(
+            f"{type(transformer).__name__} has no CausalWanAttnProcessor installed; call "
+            "transformer.set_attn_processor(CausalWanAttnProcessor()) before opening a CausalContext."
+        )
+    if not all(installed):
+        raise RuntimeError(
+            f"{installed.count(False)} of {len(installed)} attention modules of {type(transformer).__name__} do not "
+            "use CausalWanAttnProcessor, so their blocks would ignore the cache; install it on all of them with "
+            "transformer.set_attn_processor(CausalWanAttnProcessor())."
+        )
+    if any(attn.processor._parallel_config is not None for attn in attention):
+        raise NotImplementedError(
+            "context parallelism (transformer.enable_parallelism) shards the sequence across devices, which the causal "
+            "KV cache does not support yet; disable it for causal rollouts."
+        )
+    if transformer.config.patch_size[0] != 1:
+        raise ValueError(
+            f"patch_size={tuple(transformer.config.patch_size)} patches {transformer.config.patch_size[0]} latent "
+            "frames together; the causal cache counts latent frames one by one and needs a temporal patch size of 1 "
+            "(every Wan checkpoint uses (1, 2, 2))."
+        )
+    defaults = getattr(transformer, "kv_cache_engines", None)
+    if defaults is None:
+        defaults = transformer.kv_cache_engines = {}
+    if not isinstance(defaults, dict) or not set(defaults) <= set(kind.branches):
+        got = sorted(defaults) if isinstance(defaults, dict) else type(defaults).__name__
+        example = ", ".join(f"{b!r}: KVCacheEngine()" for b in kind.branches)
+        raise ValueError(
+            f"transformer.kv_cache_engines must be a dict from branch names {sorted(kind.branches)} to engines, got "
+            f"{got}; e.g. transformer.kv_cache_engines = {{{example}}}."
+        )
+    for branch in kind.branches:
+        defaults.setdefault(branch, KVCacheEngine())
+    # The transformer's own map is always complete and registered; a per-session map is validated in full first.
+    maps = [defaults] if cache_engines is None else [defaults, cache_engines]
+    signature = (id(transformer), tuple((id(attn), id(attn.processor)) for attn in attention))
+    for engines in maps:
+        _check_engine_map(engines, kind, signature)
+    for engines in maps:
+        for branch, engine in engines.items():
+            if _REGISTERED.get(engine) != (branch, signature):
+                for attn, block_idx in kind.registrations(branch):
+                    engine.register_module(attn, block_idx)
+                _REGISTERED[engine] = (branch, signature)
+    _install_hooks(transformer)
+    return maps[-1]
+
+
+def resolve_engines(transformer: torch.nn.Module, cache_engines: dict | None = None) -> dict[str, BaseKVCacheEngine]:
+    """The engine map a rollout reads and writes: ``cache_engines``, else the transformer's own (empty before the
+    first context created it)."""
+    return cache_engines if cache_engines is not None else getattr(transformer, "kv_cache_engines", None) or {}
+
+
+def _check_engine_map(cache_engines: dict, kind: Topology, signature: tuple) -> None:
+    branches = kind.branches
+    if not isinstance(cache_engines, dict) or set(cache_engines) != set(branches):
+        got = sorted(cache_engines) if isinstance(cache_engines, dict) else type(cache_engines).__name__
+        raise ValueError(
+            f"cache_engines must map exactly the branches {sorted(branches)} to engines, got {got}; e.g. "
+            + "{" + ", ".join(f"{b!r}: KVCacheEngine()" for b in branches) + "}."
+        )
+    for branch, engine in cache_engines.items():
+        if not isinstance(engine, BaseKVCacheEngine):
+            raise TypeError(
+                f"cache_engines[{branch!r}] is a {type(engine).__name__}, not a KV-cache engine; use "
+                "KVCacheEngine() or another BaseKVCacheEngine subclass."
+            )
+    if len({id(e) for e in cache_engines.values()}) != len(cache_engines):
+        raise ValueError(
+            "One engine object serves several branches of cache_engines; block indices are local to a branch, "
+            "so each branch needs its own engine instance."
+        )
+    for branch, engine in cache_engines.items():
+        if _REGISTERED.get(engine) == (branch, signature):
+            continue  # registered for this branch, and nothing changed since
+        foreign = [other for other in branches if other != branch
+                   for attn, _ in kind.registrations(other) if engine.owns(attn)]
+        if foreign:
+            raise ValueError(
+                f"The engine of branch {branch!r} already registered modules of branch {foreign[0]!r}; give each "
+                "branch its own engine."
+            )
+
+
+def _install_hooks(transformer: torch.nn.Module) -> None:
+    rope_hooks = getattr(getattr(transformer.rope, "_diffusers_hook", None), "hooks", {})
+    if ROPE_HOOK_NAME not in rope_hooks and rope_hooks:
+        # Our RoPE hook computes the tables itself, so registered outside another rope hook (leaf-level group
+        # offloading onloads rope's buffers in one) it would read offloaded buffers.
+        raise RuntimeError(
+            f"transformer.rope already has the diffusers hooks {sorted(rope_hooks)} (e.g. leaf-level group "
+            "offloading), which the causal KV RoPE hook cannot run inside of; open a first CausalContext (it "
+            "installs the plugin's hooks) before transformer.enable_group_offload(...), or use "
+            "offload_type='block_level'."
+        )
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    if registry.get_hook(HOOK_NAME) is None:
+        registry.register_hook(CausalForwardHook(), HOOK_NAME)
+    rope_registry = HookRegistry.check_if_exists_or_initialize(transformer.rope)
+    if rope_registry.get_hook(ROPE_HOOK_NAME) is None:
+        rope_registry.register_hook(TemporalRoPEOffsetHook(), ROPE_HOOK_NAME)
+
+
+def clear_caches(transformer: torch.nn.Module) -> None:
+    """Clear every engine on ``transformer.kv_cache_engines`` (call at the start of each rollout)."""
+    if not any(isinstance(attn.processor, CausalWanAttnProcessor) for attn in topology(transformer).attention()):
+        raise RuntimeError(
+            f"{type(transformer).__name__} has no CausalWanAttnProcessor installed, so it has no KV cache to clear; "
+            "call transformer.set_attn_processor(CausalWanAttnProcessor()) first."
+        )
+    for engine in resolve_engines(transformer).values():
+        engine.clear()
+
+
+def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
+    """Restore the stock ``WanAttnProcessor`` everywhere, remove the hooks and drop ``kv_cache_engines``."""
+    if current_context(transformer) is not None:
+        raise RuntimeError("uninstall_causal_kv() called inside a CausalContext of this transformer; close it first.")
+    for attn in topology(transformer).attention():
+        if isinstance(attn.processor, CausalWanAttnProcessor):
+            stock = WanAttnProcessor()
+            stock._attention_backend = attn.processor._attention_backend
+            attn.set_processor(stock)
+    for module, name in ((transformer, HOOK_NAME), (transformer.rope, ROPE_HOOK_NAME)):
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.get_hook(name) is not None:
+            registry.remove_hook(name, recurse=False)
+    unroute_checkpointing(transformer)
+    if hasattr(transformer, "kv_cache_engines"):
+        del transformer.kv_cache_engines

@@ -1,0 +1,70 @@
+"""What a Wan transformer is made of, as the cache sees it: branches, attention modules, and the state of what
+computes cached K/V. One helper answers every "which kind of model is this" question."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The submodules of a WanAttention that compute the K/V an engine caches (unfused, fused and I2V image paths).
+_KV_SUBMODULES = ("to_k", "to_v", "norm_k", "to_kv", "to_qkv", "add_k_proj", "add_v_proj", "to_added_kv",
+                  "norm_added_k")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The engine branches of a transformer and its kind.
+
+    ``branches`` maps each branch name to the blocks it owns (``"main"``: ``transformer.blocks``; ``"vace"``:
+    ``transformer.vace_blocks``, VACE only). ``is_i2v``: Wan2.1 image-to-video (added image K/V projections).
+    """
+
+    branches: dict[str, torch.nn.ModuleList]
+    is_vace: bool
+    is_i2v: bool
+
+    def attention(self) -> list[torch.nn.Module]:
+        """Every self- and cross-attention module the branches own, block by block."""
+        return [attn for blocks in self.branches.values() for block in blocks for attn in (block.attn1, block.attn2)]
+
+    def registrations(self, branch: str):
+        """``(attn, block_idx)`` for every attention module of ``branch``, indices local to the branch."""
+        return [(attn, idx) for idx, block in enumerate(self.branches[branch]) for attn in (block.attn1, block.attn2)]
+
+
+def topology(transformer: torch.nn.Module) -> Topology:
+    branches = {"main": transformer.blocks}
+    vace = getattr(transformer, "vace_blocks", None)
+    if vace is not None:
+        branches["vace"] = vace
+    return Topology(branches, vace is not None, transformer.blocks[0].attn2.add_k_proj is not None)
+
+
+def projection_state(transformer: torch.nn.Module) -> tuple:
+    """The state of everything that computes cached K/V, cheap enough to take on every cached forward.
+
+    In-place updates (optimizer steps, ``param.copy_()`` under ``no_grad``) bump a parameter's ``_version``;
+    PEFT LoRA injection swaps the submodule, ``set_adapters`` changes its active adapters and scaling,
+    ``fuse_lora``/``unfuse_lora`` its merged adapters. Writes through ``param.data`` bypass version counters and
+    are not seen.
+    """
+    state = []
+    for attn in topology(transformer).attention():
+        for name in _KV_SUBMODULES:
+            module = getattr(attn, name, None)
+            if module is None:
+                continue
+            state.append((name, id(module), *_adapter_state(module)))
+            state.extend((id(param), param._version) for param in module.parameters())
+    return tuple(state)
+
+
+def _adapter_state(module: torch.nn.Module) -> tuple:
+    scaling = getattr(module, "scaling", None)
+    return (
+        tuple(getattr(module, "active_adapters", ()) or ()),
+        tuple(getattr(module, "merged_adapters", ()) or ()),
+        tuple(sorted(scaling.items())) if isinstance(scaling, dict) else (),
+        bool(getattr(module, "disable_adapters", False)),
+    )

@@ -1,0 +1,167 @@
+"""The rollout planner: the one place where a causal rollout is turned into transformer forwards.
+
+:class:`RolloutPlanner` owns what every sampling loop of the package shares: the chunk schedule (:meth:`plan`), the
+per-frame inputs sliced per chunk (Wan2.1 I2V condition latents, VACE control), the engine map it reads and writes,
+the pre-flight check of a whole rollout (:meth:`check`, before anything is cleared or committed), clearing, one
+forward per chunk and tag under its :class:`~diffusers_causal_kv.CausalContext`, classifier-free guidance over the
+``"pos"``/``"neg"`` tags, and commits of a chunk on every tag at once. ``causal_rollout``, ``self_forcing_rollout``,
+``prefill`` and ``StreamingRollout`` drive it; they only decide what to denoise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .context import CausalContext
+from .masks import chunk_schedule
+from .model import check_forward_inputs, check_rollout, clear_caches, commits_together, resolve_engines, topology
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a plan: ``offset`` into the rollout's own frames, ``size`` frames, starting at absolute latent
+    frame ``frame`` of the cache."""
+
+    offset: int
+    size: int
+    frame: int
+
+
+def resolve_transformer(model) -> torch.nn.Module:
+    """The transformer of a pipeline, or ``model`` itself; refuses two-expert (Wan2.2 A14B) pipelines."""
+    if getattr(model, "transformer_2", None) is not None:
+        raise NotImplementedError(
+            "two-expert Wan2.2 pipelines (transformer + transformer_2 switched at a boundary timestep) are not "
+            "supported by the causal rollout yet; pass a single-expert pipeline or one transformer."
+        )
+    return getattr(model, "transformer", model)
+
+
+class RolloutPlanner:
+    """Chunked, cached forwards of one transformer for one conditioning.
+
+    Args:
+        model: a Wan (or Wan VACE) transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
+        prompt_embeds: text embeddings of the tag ``cache_tag`` (``"pos"`` by default).
+        negative_prompt_embeds / guidance_scale: with ``guidance_scale != 1``, classifier-free guidance runs the
+            negative prompt through the tag ``"neg"``.
+        image_embeds: Wan2.1 I2V image-encoder embeddings, passed to every forward.
+        condition_latents / control_latents: per-frame inputs (I2V condition, VACE control) covering the rollout's
+            frames, sliced per chunk; ``control_scale`` the per-VACE-layer scale.
+        cache_engines: the engine map to use; default ``transformer.kv_cache_engines``.
+        generator: random generator of re-noising.
+    """
+
+    def __init__(self, model, prompt_embeds: torch.Tensor, *, negative_prompt_embeds: torch.Tensor | None = None,
+                 guidance_scale: float = 1.0, cache_tag: str = "pos", image_embeds: torch.Tensor | None = None,
+                 condition_latents: torch.Tensor | None = None, control_latents: torch.Tensor | None = None,
+                 control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        self.transformer = resolve_transformer(model)
+        is_vace = topology(self.transformer).is_vace
+        if is_vace != (control_latents is not None):
+            raise ValueError(
+                "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
+                else "control_latents were given but the transformer has no VACE blocks; drop them."
+            )
+        self.use_cfg = guidance_scale != 1.0
+        if self.use_cfg and negative_prompt_embeds is None:
+            raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
+        self.prompts = {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
+        self.cache_tag, self.guidance_scale, self.image_embeds = cache_tag, guidance_scale, image_embeds
+        self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
+        self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
+
+    @property
+    def engines(self) -> dict:
+        """The engine map the rollout reads and writes (empty before the transformer's first context)."""
+        return resolve_engines(self.transformer, self.cache_engines)
+
+    def next_frame(self) -> int:
+        """The absolute frame the tag ``cache_tag`` of the ``"main"`` engine continues at."""
+        main = self.engines.get("main")
+        return 0 if main is None else main.next_frame(self.cache_tag)
+
+    def plan(self, latents: torch.Tensor, chunk_frames: int | Sequence[int], first_frame: int = 0,
+             given: str = "noise") -> list[Chunk]:
+        """The chunks over the frames of ``latents`` (``[batch, channels, frames, height, width]``), starting at
+        absolute frame ``first_frame``, by :func:`~diffusers_causal_kv.chunk_schedule`; the per-frame inputs must
+        cover the same frames (``given``, ``"noise"`` or ``"latents"``, names ``latents`` in the error)."""
+        num_frames = latents.shape[2]
+        for name, per_frame in self.per_frame.items():
+            if per_frame is not None and per_frame.shape[2] != num_frames:
+                raise ValueError(
+                    f"{name} has {per_frame.shape[2]} frames but noise has {num_frames}; they must match."
+                    if given == "noise" else f"{name} has {per_frame.shape[2]} frames but latents have {num_frames}."
+                )
+        chunks, offset = [], 0
+        for size in chunk_schedule(num_frames, chunk_frames):
+            chunks.append(Chunk(offset, size, first_frame + offset))
+            offset += size
+        return chunks
+
+    def check(self, latents: torch.Tensor, chunks: list[Chunk]) -> None:
+        """Fail before any work if the planned rollout cannot run: inputs the model refuses (checked on the first
+        chunk of every tag), a schedule an engine cannot hold, or positions past the RoPE table."""
+        first = chunks[0]
+        for tag in self.prompts:
+            check_forward_inputs(self.transformer, self.inputs(latents[:, :, :first.size], 0.0, tag, first))
+        check_rollout(self.transformer, self.engines, first.frame, [c.size for c in chunks])
+
+    def clear(self) -> None:
+        """Clear the engines the rollout uses."""
+        if self.cache_engines is None:
+            clear_caches(self.transformer)
+            return
+        for engine in self.cache_engines.values():
+            engine.clear()
+
+    def inputs(self, x: torch.Tensor, t, tag: str, chunk: Chunk) -> dict:
+        """The transformer's keyword arguments for the chunk's latents ``x`` at timestep ``t`` on ``tag``."""
+        part = {k: None if v is None else v[:, :, chunk.offset:chunk.offset + chunk.size]
+                for k, v in self.per_frame.items()}
+        condition = part["condition_latents"]
+        inputs = {
+            "hidden_states": x if condition is None else torch.cat([x, condition], dim=1),
+            "timestep": torch.full((x.shape[0],), float(t), device=x.device, dtype=torch.float32),
+            "encoder_hidden_states": self.prompts[tag],
+            "encoder_hidden_states_image": self.image_embeds,
+        }
+        if part["control_latents"] is not None:
+            inputs.update(control_hidden_states=part["control_latents"], control_hidden_states_scale=self.control_scale)
+        return inputs
+
+    def forward(self, x: torch.Tensor, t, chunk: Chunk, tag: str, store_kv: bool = False) -> torch.Tensor:
+        """One transformer forward on a chunk under its :class:`CausalContext`."""
+        with CausalContext(self.transformer, start_frame=chunk.frame, cache_tag=tag, store_kv=store_kv,
+                           cache_engines=self.cache_engines):
+            return self.transformer(**self.inputs(x, t, tag, chunk), return_dict=False)[0]
+
+    def flow(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
+        """The (guided) flow prediction for a chunk at timestep ``t``."""
+        cond = self.forward(x, t, chunk, self.cache_tag)
+        if not self.use_cfg:
+            return cond
+        uncond = self.forward(x, t, chunk, "neg")
+        return uncond + self.guidance_scale * (cond - uncond)
+
+    def predict_x0(self, x: torch.Tensor, sigma: float, chunk: Chunk) -> torch.Tensor:
+        """The clean chunk the (guided) flow predicts from ``x`` at noise level ``sigma``."""
+        return x - sigma * self.flow(x, sigma * 1000, chunk)
+
+    def renoise(self, x0: torch.Tensor, sigma: float) -> torch.Tensor:
+        """``x0`` noised to level ``sigma`` with fresh noise (the flow-matching forward process)."""
+        noise = torch.randn(x0.shape, generator=self.generator, device=x0.device, dtype=x0.dtype)
+        return (1 - sigma) * x0 + sigma * noise
+
+    def commit(self, x: torch.Tensor, chunk: Chunk, context_noise: float = 0.0) -> None:
+        """Commit a clean chunk on every tag (all or none), re-noised to ``context_noise`` (timestep units) when
+        above 0."""
+        if context_noise > 0:
+            x = self.renoise(x, context_noise / 1000)
+        with torch.no_grad(), commits_together():
+            for tag in self.prompts:
+                self.forward(x, context_noise, chunk, tag, store_kv=True)
