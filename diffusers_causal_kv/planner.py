@@ -17,7 +17,15 @@ import torch
 
 from .context import CausalContext
 from .masks import chunk_schedule
-from .model import check_forward_inputs, check_rollout, clear_caches, commits_together, resolve_engines, topology
+from .model import (
+    check_forward_inputs,
+    check_rollout,
+    clear_caches,
+    commits_together,
+    prepare_transformer,
+    resolve_engines,
+    topology,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,8 @@ class RolloutPlanner:
 
     Args:
         model: a Wan (or Wan VACE) transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
-        prompt_embeds: text embeddings of the tag ``cache_tag`` (``"pos"`` by default).
+        prompt_embeds: text embeddings of the tag ``cache_tag`` (``"pos"`` by default; :func:`prefill` names
+            another tag to fill one tag alone).
         negative_prompt_embeds / guidance_scale: with ``guidance_scale != 1``, classifier-free guidance runs the
             negative prompt through the tag ``"neg"``.
         image_embeds: Wan2.1 I2V image-encoder embeddings, passed to every forward.
@@ -91,6 +100,8 @@ class RolloutPlanner:
         absolute frame ``first_frame``, by :func:`~diffusers_causal_kv.chunk_schedule`; the per-frame inputs must
         cover the same frames (``given``, ``"noise"`` or ``"latents"``, names ``latents`` in the error)."""
         num_frames = latents.shape[2]
+        if num_frames == 0:
+            raise ValueError(f"{given} has 0 latent frames ({tuple(latents.shape)}); pass at least one frame.")
         for name, per_frame in self.per_frame.items():
             if per_frame is not None and per_frame.shape[2] != num_frames:
                 raise ValueError(
@@ -109,6 +120,8 @@ class RolloutPlanner:
         first = chunks[0]
         for tag in self.prompts:
             check_forward_inputs(self.transformer, self.inputs(latents[:, :, :first.size], 0.0, tag, first))
+        # Completes and validates the engine map (every branch) as the first forward would, before any clearing.
+        prepare_transformer(self.transformer, self.cache_engines)
         check_rollout(self.transformer, self.engines, first.frame, [c.size for c in chunks])
 
     def clear(self) -> None:

@@ -39,6 +39,8 @@ class RolloutOutput:
 def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
     """Flow-matching noise levels of a few-step timestep list, warped by the timestep ``shift`` as Self-Forcing does
     (``sigma = shift * s / (1 + (shift - 1) * s)`` with ``s = t / num_train_timesteps``)."""
+    if len(timesteps) == 0:
+        raise ValueError("timesteps is empty; pass at least one timestep per chunk, e.g. (1000, 750, 500, 250).")
     s = torch.as_tensor(timesteps, dtype=torch.float64) / num_train_timesteps
     if (s <= 0).any() or (s > 1).any():
         raise ValueError(f"timesteps must lie in (0, {num_train_timesteps}], got {list(timesteps)}.")

@@ -183,6 +183,31 @@ def leaf_offloading_before_the_hooks():
     return model, lambda: forward(model, _x(1), T, text, start_frame=2)
 
 
+@case(RuntimeError, "is a copy (copy.deepcopy)", "still run the original's forward")
+def deepcopy_used_before_its_first_context():
+    model, text = _t2v()
+    ema = copy.deepcopy(model)
+    return model, lambda: forward(ema, _x(1), T, text)
+
+
+@case(RuntimeError, "is a copy (copy.deepcopy)", r"diffusers hooks \['causal_kv', 'user_hook'\]")
+def deepcopy_with_other_hooks():
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model, text = _t2v()
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(ModelHook(), "user_hook")
+    ema = copy.deepcopy(model)
+    return model, lambda: forward(ema, _x(1), T, text, start_frame=0)
+
+
+@case(ValueError, "holds the cache of another transformer", "give each transformer its own engines")
+def engine_shared_by_two_transformers():
+    model, text = _t2v()
+    other = _installed(tiny_wan(seed=1))
+    engines = {"main": model.kv_cache_engines["main"]}
+    return model, lambda: forward(other, _x(1), T, text, start_frame=2, cache_engines=engines)
+
+
 # Context lifecycle and routing
 @case(RuntimeError, "This CausalContext is already open")
 def context_entered_twice():
@@ -439,6 +464,19 @@ def branches_disagree_on_positions():
                                            "vace": RollingKVCacheEngine(3)})
     return model, lambda: forward(model, _x(1), T, text, extra={"control_hidden_states": _control(1)},
                                   start_frame=3)
+
+
+@case(ValueError, "channels but the model takes in_channels", "hidden_states has 8 channels")
+def wrong_channel_count():
+    return _bad_forward(x=_x(1, channels=8))
+
+
+@case(ValueError, "concatenates them per sample", "encoder_hidden_states_image has batch 1")
+def i2v_image_batch_differs_from_text():
+    model = _installed(tiny_wan(i2v=True))
+    text, image = conditioning(model, batch=2)
+    forward(model, _x(1, batch=2, channels=36), ZERO, text, image, start_frame=0, store_kv=True)
+    return model, lambda: forward(model, _x(1, batch=2, channels=36), T, text, image[:1], start_frame=1)
 
 
 # Cache continuity and staleness
@@ -726,6 +764,18 @@ def self_forcing_timestep_out_of_range():
 def exit_step_out_of_range():
     model, text = _t2v()
     return model, lambda: self_forcing_rollout(model, _x(2), text, exit_step=2, timesteps=(1000, 500))
+
+
+@case(ValueError, "timesteps is empty", "at least one timestep")
+def rollout_without_timesteps():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, chunk_frames=1, timesteps=(), progress=False)
+
+
+@case(ValueError, "has 0 latent frames", "noise has 0")
+def rollout_of_no_frames():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(0), text, chunk_frames=1, timesteps=(1000,), progress=False)
 
 
 # Streaming

@@ -195,9 +195,12 @@ def test_crop_and_skip_to():
     assert engine.held_frames("pos") == [range(0, 1), range(4, 6)]
     with pytest.raises(ValueError, match="frames 1..3 were evicted"):
         engine.crop(3)
-    engine.crop(5)
-    assert engine.held_frames("pos") == [range(0, 1), range(4, 5)] and engine.next_frame("pos") == 5
-    with pytest.raises(ValueError, match=r"skip_to\(2\).*>= 5"):
+    # A chunk regenerated at frame 5 would attend to frames 3 and 4 (window 4, sink 1), but 3 was evicted: the crop
+    # itself is refused, before it drops anything.
+    with pytest.raises(ValueError, match="could not see its whole window"):
+        engine.crop(5)
+    assert engine.held_frames("pos") == [range(0, 1), range(4, 6)] and engine.next_frame("pos") == 6
+    with pytest.raises(ValueError, match=r"skip_to\(2\).*>= 6"):
         engine.skip_to(2, "pos")
     engine.skip_to(9, "pos")
     assert engine.held_frames("pos") == [range(0, 1)] and engine.next_frame("pos") == 9

@@ -167,6 +167,11 @@ class BaseKVCacheEngine:
     def num_blocks(self) -> int:
         return len(set(self._module_to_block.values()))
 
+    def empty_like(self) -> BaseKVCacheEngine:
+        """A new, empty engine of this class with this one's settings (an engine whose constructor takes arguments
+        overrides it)."""
+        return type(self)()
+
     # ------------------------------------------------------------------ state queries
     def tags(self) -> list[str]:
         """The tags holding entries."""

@@ -156,15 +156,17 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             )
 
     def _check_crop(self, cache_tag: str, keep: int, num_frames: int) -> None:
-        """Only frames still held can become the newest again: the tag may be cropped into its sink or to any frame
-        from its oldest held recent frame on, not into the evicted frames between."""
+        """The chunk regenerated after a crop must see its whole window, but the ring holds only the ``W - S - 1``
+        most recent frames: once the tag evicted a frame, it may be cropped into its sink only."""
         entry = self._any_entry(cache_tag)
-        oldest = self.num_frames(cache_tag) if entry is None else entry.oldest
-        if self.sink_frames < keep < oldest:
+        committed = self.num_frames(cache_tag)
+        evicted = entry is not None and entry.oldest > self.sink_frames
+        if evicted and self.sink_frames < keep < committed:
             raise ValueError(
                 f"crop({num_frames}) on cache tag {cache_tag!r} would end it at frame {keep}, but frames "
-                f"{self.sink_frames}..{oldest - 1} were evicted from the window; crop to at most "
-                f"{self.sink_frames} or at least {oldest} frames."
+                f"{self.sink_frames}..{entry.oldest - 1} were evicted from the window, so a chunk regenerated there "
+                f"could not see its whole window; crop to at most {self.sink_frames} frames (the sink) or clear the "
+                "tag."
             )
 
     # ------------------------------------------------------------------ verbs of bounded, streaming rollouts

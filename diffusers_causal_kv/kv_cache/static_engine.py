@@ -62,6 +62,9 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         # Per tag and block, the view [:, :len + chunk] of the buffers for the pass in flight (the chunk at its end).
         self._pass_views: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def empty_like(self) -> StaticKVCacheEngine:
+        return type(self)(self.max_frames)
+
     def check_pass(self, info: PassInfo) -> None:
         """The base checks, the capacity check, then the views the pass writes and reads (no state changes)."""
         super().check_pass(info)

@@ -137,12 +137,18 @@ def conditioning_fingerprint(tensors) -> tuple:
 def _fingerprint(tensor: torch.Tensor | None):
     if tensor is None:
         return None
+    if tensor.is_inference():  # no version counter to tell an in-place edit by: reduce it every time
+        return _reduce(tensor)
     known = _FINGERPRINTS.get(tensor)
     if known is not None and known[0] == tensor._version:
         return known[1]
+    fingerprint = _reduce(tensor)
+    _FINGERPRINTS[tensor] = (tensor._version, fingerprint)
+    return fingerprint
+
+
+def _reduce(tensor: torch.Tensor) -> tuple:
     flat = tensor.detach().flatten().to(torch.float64)
     ramp = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(7919)
     sums = torch.stack([flat.sum(), flat.square().sum(), (flat * ramp).sum()])
-    fingerprint = tuple(tensor.shape), tensor.dtype, tuple(sums.tolist())
-    _FINGERPRINTS[tensor] = (tensor._version, fingerprint)
-    return fingerprint
+    return tuple(tensor.shape), tensor.dtype, tuple(sums.tolist())

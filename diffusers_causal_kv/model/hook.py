@@ -10,6 +10,7 @@ of its own, the transformer runs the stock forward with stock attention.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from diffusers.hooks import ModelHook
@@ -37,7 +38,20 @@ class CausalForwardHook(ModelHook):
 
     def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
         self._signature = inspect.signature(module.forward)
+        self._module = weakref.ref(module)
         return module
+
+    def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
+        # copy.deepcopy copies the hook registry but not the closure of the forward diffusers installed, so a copy's
+        # forward runs the original's hook chain, weights and cache: refuse it until the copy's hooks are rebuilt.
+        if module is not self._module():
+            raise RuntimeError(
+                f"this {type(module).__name__} is a copy (copy.deepcopy) of a transformer with the causal KV hooks, "
+                "and diffusers' hooks of a copy still run the original's forward and weights; open a CausalContext "
+                "on the copy once (it reinstalls the copy's own hooks) or call uninstall_causal_kv(copy) before "
+                "using it."
+            )
+        return args, kwargs
 
     def new_forward(self, module: torch.nn.Module, *args, **kwargs):
         context = current_context(module)
@@ -67,14 +81,18 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
         check_rope_range(transformer, context.start_frame, span)
         positions = (context.start_frame + torch.arange(span)).repeat(num_frames // span)
         return ForwardPass(context.cache_engines, positions, temporal_rope, mask=mask)
-    hidden_states = inputs["hidden_states"]
+    device = inputs["hidden_states"].device
+    # Under autocast the projections, and so the cached K/V, take the autocast dtype.
+    autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else inputs["hidden_states"].dtype
+    lora_scale = (inputs.get("attention_kwargs") or {}).get("scale", 1.0)
     info = PassInfo(
         cache_tag=context.cache_tag, start_frame=context.start_frame, chunk_frames=num_frames,
-        frame_tokens=frame_tokens, batch_size=batch, dtype=hidden_states.dtype, device=hidden_states.device,
+        frame_tokens=frame_tokens, batch_size=batch, dtype=dtype, device=device,
         grad_enabled=torch.is_grad_enabled(), store_kv=context.store_kv,
         conditioning=conditioning_fingerprint(
             (inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"))),
-        weights=projection_state(transformer),
+        weights=projection_state(transformer, lora_scale),
     )
     for engine in context.cache_engines.values():
         engine.check_pass(info)

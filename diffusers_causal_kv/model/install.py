@@ -20,6 +20,7 @@ calling the forward it wraps), so leaf-level offloading must be enabled after th
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -42,6 +43,7 @@ def prepare_transformer(
     transformer: torch.nn.Module, cache_engines: dict[str, BaseKVCacheEngine] | None = None
 ) -> dict[str, BaseKVCacheEngine]:
     """Complete installation and return the engine map a context uses (validated and registered)."""
+    _rebuild_copied_hooks(transformer)
     kind = topology(transformer)
     attention = kind.attention()
     installed = [isinstance(attn.processor, CausalWanAttnProcessor) for attn in attention]
@@ -77,8 +79,12 @@ def prepare_transformer(
             f"transformer.kv_cache_engines must be a dict from branch names {sorted(kind.branches)} to engines, got "
             f"{got}; e.g. transformer.kv_cache_engines = {{{example}}}."
         )
+    # A branch the user left out gets an empty engine of the kind the user chose (same window, sink, positions),
+    # so that every branch follows one rule; the default engine when the user chose none.
+    given = next(iter(defaults.values()), None)
     for branch in kind.branches:
-        defaults.setdefault(branch, KVCacheEngine())
+        if branch not in defaults:
+            defaults[branch] = KVCacheEngine() if given is None else given.empty_like()
     # The transformer's own map is always complete and registered; a per-session map is validated in full first.
     maps = [defaults] if cache_engines is None else [defaults, cache_engines]
     signature = (id(transformer), tuple((id(attn), id(attn.processor)) for attn in attention))
@@ -120,8 +126,14 @@ def _check_engine_map(cache_engines: dict, kind: Topology, signature: tuple) -> 
             "so each branch needs its own engine instance."
         )
     for branch, engine in cache_engines.items():
-        if _REGISTERED.get(engine) == (branch, signature):
+        registered = _REGISTERED.get(engine)
+        if registered == (branch, signature):
             continue  # registered for this branch, and nothing changed since
+        if registered is not None and registered[1][0] != signature[0] and engine.tags():
+            raise ValueError(
+                f"The engine of branch {branch!r} holds the cache of another transformer (tags {engine.tags()}); "
+                "give each transformer its own engines, or clear() this one before moving it."
+            )
         foreign = [other for other in branches if other != branch
                    for attn, _ in kind.registrations(other) if engine.owns(attn)]
         if foreign:
@@ -129,6 +141,30 @@ def _check_engine_map(cache_engines: dict, kind: Topology, signature: tuple) -> 
                 f"The engine of branch {branch!r} already registered modules of branch {foreign[0]!r}; give each "
                 "branch its own engine."
             )
+
+
+def _rebuild_copied_hooks(transformer: torch.nn.Module) -> None:
+    """``copy.deepcopy`` of a transformer copies diffusers' hook registries, but the forward they installed still
+    closes over the original's hook chain (and runs the original's weights). A copy whose only hooks are ours has
+    them removed here and installed anew; a copy with other hooks is refused."""
+    for module, name in ((transformer, HOOK_NAME), (transformer.rope, ROPE_HOOK_NAME)):
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is None or registry.get_hook(name) is None or _runs_own_hooks(module, registry):
+            continue
+        if registry._hook_order != [name]:
+            raise RuntimeError(
+                f"this {type(module).__name__} is a copy (copy.deepcopy) of a module with the diffusers hooks "
+                f"{registry._hook_order}, whose forward still runs the original's; copy the transformer before "
+                "installing hooks on it (or uninstall them from the original first), then install on each."
+            )
+        registry.remove_hook(name, recurse=False)
+
+
+def _runs_own_hooks(module: torch.nn.Module, registry) -> bool:
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, functools.partial) or not registry._fn_refs:
+        return True  # not a forward diffusers' registry installed
+    return any(cell.cell_contents is registry._fn_refs[-1] for cell in forward.func.__closure__ or ())
 
 
 def _install_hooks(transformer: torch.nn.Module) -> None:
@@ -165,6 +201,7 @@ def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
     """Restore the stock ``WanAttnProcessor`` everywhere, remove the hooks and drop ``kv_cache_engines``."""
     if current_context(transformer) is not None:
         raise RuntimeError("uninstall_causal_kv() called inside a CausalContext of this transformer; close it first.")
+    _rebuild_copied_hooks(transformer)
     for attn in topology(transformer).attention():
         if isinstance(attn.processor, CausalWanAttnProcessor):
             stock = WanAttnProcessor()

@@ -41,22 +41,27 @@ def topology(transformer: torch.nn.Module) -> Topology:
     return Topology(branches, vace is not None, transformer.blocks[0].attn2.add_k_proj is not None)
 
 
-def projection_state(transformer: torch.nn.Module) -> tuple:
+def projection_state(transformer: torch.nn.Module, lora_scale: float = 1.0) -> tuple:
     """The state of everything that computes cached K/V, cheap enough to take on every cached forward.
 
     In-place updates (optimizer steps, ``param.copy_()`` under ``no_grad``) bump a parameter's ``_version``;
     PEFT LoRA injection swaps the submodule, ``set_adapters`` changes its active adapters and scaling,
-    ``fuse_lora``/``unfuse_lora`` its merged adapters. Writes through ``param.data`` bypass version counters and
-    are not seen.
+    ``fuse_lora``/``unfuse_lora`` its merged adapters, and a forward's ``attention_kwargs={"scale": s}`` scales the
+    LoRA layers for that forward only (``lora_scale``, counted when a K/V projection has LoRA layers). Not seen:
+    writes through ``param.data``, and in-place edits of weights created under ``torch.inference_mode()`` (inference
+    tensors have no version counter).
     """
-    state = []
+    state, has_lora = [], False
     for attn in topology(transformer).attention():
         for name in _KV_SUBMODULES:
             module = getattr(attn, name, None)
             if module is None:
                 continue
+            has_lora = has_lora or isinstance(getattr(module, "scaling", None), dict)
             state.append((name, id(module), *_adapter_state(module)))
-            state.extend((id(param), param._version) for param in module.parameters())
+            state.extend((id(param), -1 if param.is_inference() else param._version) for param in module.parameters())
+    if has_lora:
+        state.append(("lora scale", float(lora_scale)))
     return tuple(state)
 
 

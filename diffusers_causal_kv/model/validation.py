@@ -25,7 +25,13 @@ def check_forward_inputs(transformer: torch.nn.Module, inputs: dict) -> tuple[in
             "hidden_states must be a [batch, channels, frames, height, width] latent tensor under a CausalContext, "
             f"got {getattr(hidden_states, 'shape', type(hidden_states).__name__)}."
         )
-    batch, _, frames, height, width = hidden_states.shape
+    batch, channels, frames, height, width = hidden_states.shape
+    if channels != transformer.config.in_channels:
+        raise ValueError(
+            f"hidden_states has {channels} channels but the model takes in_channels={transformer.config.in_channels}; "
+            "pass latents of the model's latent channels (Wan2.1 I2V: the noise concatenated with the condition "
+            "latents along channels)."
+        )
     patch = tuple(transformer.config.patch_size)
     for name, size, step in zip(("frames", "height", "width"), (frames, height, width), patch):
         if size % step:
@@ -154,6 +160,11 @@ def _check_conditioning(transformer, is_i2v: bool, text, image, batch: int) -> N
         raise ValueError(
             f"encoder_hidden_states_image must be a [batch, tokens, {image_dim}] tensor (the image encoder's output) "
             f"with batch {batch} (or 1), got {tuple(getattr(image, 'shape', ())) or type(image).__name__}."
+        )
+    if image.shape[0] != text.shape[0]:
+        raise ValueError(
+            f"encoder_hidden_states_image has batch {image.shape[0]} but encoder_hidden_states has batch "
+            f"{text.shape[0]}; Wan I2V concatenates them per sample, so give both the same batch."
         )
     if text.shape[1] != WAN_TEXT_CONTEXT_LENGTH:
         raise ValueError(
