@@ -115,3 +115,27 @@ def test_context_is_not_reentrant_but_reusable():
         ctx.__enter__()
     with ctx:
         assert get_current_context(model) is ctx
+
+
+def test_engine_maps_are_registered_once_and_again_after_a_replacement(monkeypatch):
+    """Every open scans the modules, but registers an engine map only when it is new or a module or processor was
+    replaced since (the per-forward cost of a context stays flat)."""
+    model = _installed()
+    text, _ = conditioning(model)
+    calls = []
+    original = KVCacheEngine.register_module
+    monkeypatch.setattr(KVCacheEngine, "register_module",
+                        lambda self, attn, idx: (calls.append(idx), original(self, attn, idx))[1])
+    session = {"main": KVCacheEngine()}
+    for _ in range(3):
+        with CausalContext(model, cache_engines=session):
+            pass
+    per_map = 2 * len(model.blocks)
+    assert len(calls) == 2 * per_map  # the transformer's own map and the session's, once each
+    model.blocks[0].attn1.set_processor(CausalWanAttnProcessor())  # diffusers gives no notice of this
+    with CausalContext(model, cache_engines=session):
+        pass
+    assert len(calls) == 4 * per_map
+    with torch.no_grad(), CausalContext(model, cache_engines=session, store_kv=True):
+        model(hidden_states=torch.randn(2, 16, 1, 4, 4), timestep=torch.zeros(2), encoder_hidden_states=text)
+    assert session["main"].num_frames("pos") == 1 and len(calls) == 4 * per_map
