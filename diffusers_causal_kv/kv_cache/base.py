@@ -165,6 +165,7 @@ class BaseKVCacheEngine:
 
     @property
     def num_blocks(self) -> int:
+        """The number of blocks registered with this engine (its branch's blocks)."""
         return len(set(self._module_to_block.values()))
 
     def empty_like(self) -> BaseKVCacheEngine:

@@ -116,6 +116,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
 
     @property
     def reindexes_positions(self) -> bool:
+        """True in relative mode: keys cached before RoPE, the window numbered ``0, 1, ...`` at read time."""
         return self.positions == "relative"
 
     # ------------------------------------------------------------------ state queries
@@ -131,10 +132,12 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
 
     # ------------------------------------------------------------------ checks
     def check_pass(self, info: PassInfo) -> None:
+        """The base checks, then that the chunk fits next to the sink (``chunk_frames <= W - S``)."""
         super().check_pass(info)
         self._check_chunk(info.chunk_frames)
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        """Every chunk of the schedule must fit next to the sink (``size <= W - S``)."""
         self._check_chunk(max(sizes))
 
     def check_rope_table(self, positions: int) -> None:
@@ -171,6 +174,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
 
     # ------------------------------------------------------------------ verbs of bounded, streaming rollouts
     def clear(self, cache_tag: str | None = None) -> None:
+        """As :meth:`BaseKVCacheEngine.clear`, forgetting a pending :meth:`skip_to` of the cleared tags too."""
         super().clear(cache_tag)
         if cache_tag is None:
             self._resume_at.clear()
@@ -261,6 +265,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             raise
 
     def prepare_commit(self, info: PassInfo, staged: StagedChunk) -> bool:
+        """As :meth:`BaseKVCacheEngine.prepare_commit`; a tag created after a :meth:`skip_to` starts at the skipped-to
+        frame."""
         created = super().prepare_commit(info, staged)
         start = self._resume_at.get(info.cache_tag, 0) if created else 0  # forgotten at the commit, kept by an abort
         if start:
@@ -270,6 +276,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         return created
 
     def commit(self, info: PassInfo, staged: StagedChunk) -> None:
+        """As :meth:`BaseKVCacheEngine.commit`; the tag's pending :meth:`skip_to` is used up."""
         super().commit(info, staged)
         self._resume_at.pop(info.cache_tag, None)
 

@@ -63,6 +63,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         self._pass_views: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def empty_like(self) -> StaticKVCacheEngine:
+        """A new, empty engine with this one's ``max_frames``."""
         return type(self)(self.max_frames)
 
     def check_pass(self, info: PassInfo) -> None:
@@ -88,6 +89,7 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
             self._pass_views[info.cache_tag] = views
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        """The whole schedule must end within ``max_frames``."""
         self._check_capacity(first_frame + sum(sizes[:-1]), sizes[-1])
 
     def _check_capacity(self, start_frame: int, chunk_frames: int) -> None:
@@ -113,10 +115,12 @@ class StaticKVCacheEngine(BaseKVCacheEngine):
         return AttentionKV(keys, values, new_keys, new_values)
 
     def clear(self, cache_tag: str | None = None) -> None:
+        """As :meth:`BaseKVCacheEngine.clear`: the cleared tags' buffers are freed."""
         super().clear(cache_tag)
         self._pass_views.clear()
 
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
+        """As :meth:`BaseKVCacheEngine.crop`: only the committed length moves; the buffers stay allocated."""
         super().crop(num_frames, cache_tag)
         self._pass_views.clear()
 
