@@ -16,7 +16,8 @@ adds frames per second and per-chunk latency at the Wan2.1-1.3B shape (random we
 
     python benchmarks/rollout.py --size small --device cpu [--dtype float32] [--plot chunks.png] [--compile]
 
-Prints a table, then one JSON line with every number.
+Prints a table, then one JSON line with every number. ``--size tiny`` is a smoke test (CI runs it): its timings
+cannot judge the targets, and the output says so; use ``--size small`` or larger for the numbers.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ WAN_1_3B = Preset(layers=30, heads=12, head_dim=128, ffn_dim=8960, frames=21, he
 SIGMAS = (1.0, 0.75, 0.5, 0.25)  # few-step schedule, truncated to the preset's steps
 IN_CHANNELS = 16
 TARGETS = {"static_vs_ideal": 1.05, "installed_no_context_vs_stock": 1.02}
+# Presets too small to judge the targets: their forwards take well under a millisecond, so fixed Python costs and
+# timer noise decide the ratios (they only check that the script and every variant run).
+SMOKE_PRESETS = {"tiny"}
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -470,14 +474,20 @@ def print_table(report: dict) -> None:
           f"{report['nocache_vs_cached_wall_ratio']['cached-vanilla']:.2f}x (vanilla); FLOP-predicted "
           f"{report['nocache_vs_cached_flop_ratio']:.2f}x ({flops['no-cache'] / 1e9:.2f} vs "
           f"{flops['cached'] / 1e9:.2f} GFLOP)")
+    unjudged = "" if report["targets_judged"] else f"; not judged at --size {report['preset']}"
     print(f"static / ideal {report['engine_vs_ideal_ratio']['cached-static']:.3f}x (target <= "
-          f"{TARGETS['static_vs_ideal']}), vanilla / ideal {report['engine_vs_ideal_ratio']['cached-vanilla']:.3f}x")
+          f"{TARGETS['static_vs_ideal']}{unjudged}), vanilla / ideal "
+          f"{report['engine_vs_ideal_ratio']['cached-vanilla']:.3f}x")
     print(f"installed, no context / stock forward {report['installed_no_context_vs_stock_ratio']:.3f}x (target <= "
-          f"{TARGETS['installed_no_context_vs_stock']})")
+          f"{TARGETS['installed_no_context_vs_stock']}{unjudged})")
     print("memory_bytes() == analytic: " + ", ".join(
         f"{n} {report['memory_bytes'][n]} == {report['memory_bytes_analytic'][n]}: {report['memory_bytes_match'][n]}"
         for n in report["memory_bytes"]))
     print(f"peak process memory {report['peak_process_memory_bytes'] / 2**20:.0f} MiB")
+    if not report["targets_judged"]:
+        print(f"note: --size {report['preset']} is a smoke test: its forwards are so small that fixed Python costs "
+              "and timer noise decide the ratios above, so a missed or met target means nothing here. Judge the "
+              "targets with --size small or larger.")
     if "compile" in report:
         c = report["compile"]
         print(f"compile ({c['backend']}): {c['graph_breaks_first_rollout']} graph breaks, "
@@ -490,14 +500,19 @@ def print_table(report: dict) -> None:
               + ", ".join(f"{s:.3f}" for s in w["chunk_latency_seconds"]) + " s")
 
 
-def plot(report: dict, path: str) -> None:
+def have_matplotlib() -> bool:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+        return False
+    return True
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib  # checked at argument parsing
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, per_chunk in report["chunk_seconds"].items():
         ax.plot(range(len(per_chunk)), per_chunk, marker="o", label=name)
@@ -520,6 +535,8 @@ def main(argv=None) -> dict:
                         help="also run rollouts over compiled blocks and report graph breaks and recompiles")
     parser.add_argument("--compile-backend", default="inductor")
     args = parser.parse_args(argv)
+    if args.plot and not have_matplotlib():  # fail before the run, not after it
+        parser.error("--plot needs matplotlib, which is not installed: python -m pip install matplotlib")
     preset = PRESETS[args.size]
     if args.repeats is not None:
         preset = replace(preset, repeats=args.repeats)
@@ -552,6 +569,7 @@ def main(argv=None) -> dict:
                                for n in measured["memory_bytes"]},
         "peak_process_memory_bytes": peak_process_memory_bytes(),
         "targets": TARGETS,
+        "targets_judged": args.size not in SMOKE_PRESETS,
     }
     if args.device == "cuda":
         report["peak_cuda_memory_bytes"] = torch.cuda.max_memory_allocated()

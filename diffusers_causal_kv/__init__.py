@@ -1,4 +1,40 @@
-"""Causal, chunk-by-chunk generation with a KV cache for the stock diffusers Wan transformers."""
+"""Causal, chunk-by-chunk video generation with a KV cache for the stock diffusers Wan transformers.
+
+diffusers-causal-kv makes a stock ``WanTransformer3DModel`` (Wan2.1/2.2 T2V, Wan2.1 I2V) or
+``WanVACETransformer3DModel`` causal: the video is generated chunk by chunk of latent frames, each chunk attending
+to the keys and values cached for the chunks before it. There is no fork and no patched class, and no weight
+changes: it is a set of attention processors plus a context manager per forward. It is meant for Self-Forcing /
+CausVid style causal Wan checkpoints, for inference (few-step rollouts, streaming with a bounded rolling cache,
+prompt switches) and for training (block-causal and teacher-forcing masks, self-forcing rollouts with gradients).
+
+Usage, given a diffusers ``WanPipeline`` ``pipe``, latent ``noise`` ``[batch, 16, frames, h, w]`` and the text
+encoder's ``prompt_embeds``::
+
+    from diffusers_causal_kv import CausalWanAttnProcessor, causal_rollout
+
+    pipe.transformer.set_attn_processor(CausalWanAttnProcessor())  # outside a context: exactly the stock model
+    result = causal_rollout(pipe, noise, prompt_embeds, chunk_frames=3, timesteps=[1000, 750, 500, 250])
+    latents = result.latents  # decode with pipe.vae as the stock pipeline does
+
+The public names, all importable from here:
+
+* attention and contexts: :class:`CausalWanAttnProcessor`, :class:`CausalContext` (one forward: its start
+  frame, cache tag, whether it commits), :func:`get_current_context`, :func:`clear_caches`,
+  :func:`uninstall_causal_kv`;
+* KV-cache engines: :class:`KVCacheEngine` (alias :class:`VanillaKVCacheEngine`, the reference),
+  :class:`StaticKVCacheEngine` (preallocated, for speed and ``torch.compile``), :class:`RollingKVCacheEngine`
+  (a sliding window with attention sinks, for unbounded length), :class:`BaseKVCacheEngine` (the contract);
+* sampling loops: :func:`causal_rollout`, :class:`RolloutOutput`, :func:`chunk_schedule`, :func:`prefill`,
+  :func:`recache`, :class:`StreamingRollout`, and :class:`RolloutPlanner`, which they all drive;
+* training: :func:`self_forcing_rollout`, :func:`block_causal_mask`, :func:`teacher_forcing_mask`,
+  :class:`CausalMask`.
+
+``diffusers_causal_kv.testing`` builds tiny random Wan models for tests and experiments (nothing is downloaded).
+
+Read more: the README (quickstart, the rollout helper, API table, error catalogue, long rollouts, training,
+compatibility, performance) at https://github.com/diffusers-causal-kv/diffusers-causal-kv#readme,
+``docs/architecture.md`` for the layers and their contracts, and ``examples/`` for runnable scripts.
+"""
 
 from .context import CausalContext, get_current_context
 from .kv_cache import (

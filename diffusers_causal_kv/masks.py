@@ -38,10 +38,22 @@ def chunk_schedule(num_frames: int, chunk_frames: int | Sequence[int]) -> list[i
     sizes = list(chunk_frames)
     if not sizes or any(not isinstance(s, int) or s <= 0 for s in sizes) or sum(sizes) != num_frames:
         raise ValueError(
-            f"chunk sizes {sizes} must be positive ints adding up to the {num_frames} latent frames; e.g. "
-            f"[1] + [3] * {(num_frames - 1) // 3} for an independent first frame."
+            f"chunk sizes {sizes} must be positive ints adding up to the {num_frames} latent frames"
+            f"{_schedule_suggestion(num_frames)}."
         )
     return sizes
+
+
+def _schedule_suggestion(num_frames) -> str:
+    """A valid schedule for ``num_frames`` to quote in the error: chunks of 3 with the remainder (1 to 3 frames)
+    first, e.g. ``[3] + [3] * 2`` for 9 frames or ``[1] + [3] * 3`` for 10 (an independent first frame)."""
+    if not isinstance(num_frames, int) or num_frames <= 0:
+        return " (there are no frames to split: pass latents with at least one frame)"
+    count = (num_frames - 1) // 3
+    first = num_frames - 3 * count
+    if count == 0:
+        return f"; e.g. [{first}]"
+    return f"; e.g. [{first}] + [3] * {count}" + (" for an independent first frame" if first == 1 else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,10 +76,12 @@ class CausalMask:
 
     @property
     def num_frames(self) -> int:
+        """Latent frames the mask covers (both halves, for teacher forcing)."""
         return self.allowed.shape[0]
 
     @property
     def seq_len(self) -> int:
+        """Tokens the mask covers, ``num_frames * frame_tokens``: the side of :meth:`dense`."""
         return self.num_frames * self.frame_tokens
 
     def dense(self, device: torch.device | str | None = None) -> torch.Tensor:

@@ -21,6 +21,8 @@ class TemporalRoPEOffsetHook(ModelHook):
     """Gives ``transformer.rope`` the running pass's temporal positions."""
 
     def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor):
+        """The RoPE tables of ``hidden_states``: the stock ones outside a running pass, else those of the pass's
+        ``positions`` per latent frame (see the module docstring)."""
         p = running_pass()
         if p is None:
             return self.fn_ref.original_forward(hidden_states)

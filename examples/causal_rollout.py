@@ -1,7 +1,8 @@
 """Causal, chunk-by-chunk video generation with a KV cache on a stock diffusers Wan transformer.
 
 By default everything is tiny and random (transformer, VAE, prompt embeddings), so the script runs on a CPU in
-seconds and shows the whole loop: install the processors, roll out chunk by chunk, decode, write an mp4.
+about ten seconds, most of them importing torch and diffusers, and shows the whole loop: install the processors, roll
+out chunk by chunk, decode, write an mp4. Random weights make a video of noise; ``--model-id`` gives a real one.
 
     python examples/causal_rollout.py --output causal_rollout.mp4
 
@@ -44,10 +45,25 @@ def tiny_random_models(seed: int):
     return transformer, tiny_vae(), tiny_prompt_encoder  # the VAE continues the RNG seeded above
 
 
+def from_pretrained(pipeline_class, model_id: str, dtype: torch.dtype):
+    """``pipeline_class.from_pretrained(model_id)``; a checkpoint that cannot be reached or read ends the script with
+    one line saying so (exit status 1) instead of a traceback."""
+    try:
+        return pipeline_class.from_pretrained(model_id, dtype=dtype)
+    except (OSError, ValueError) as error:  # hub unreachable or offline, no such repo or folder, not a checkpoint
+        reason = " ".join(str(error).replace("Please check out the root cause in the stacktrace above.", "").split())
+        reason = reason if len(reason) <= 240 else reason[:240] + "..."
+        raise SystemExit(
+            f"error: could not load --model-id {model_id!r} ({type(error).__name__}: {reason}). A hub repo id needs "
+            "network access to the Hugging Face hub (or a complete copy in the local hub cache); without it, pass "
+            "the path of a local folder holding a diffusers-format checkpoint."
+        ) from None
+
+
 def pretrained_models(model_id: str, device: torch.device, dtype: torch.dtype):
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(model_id, torch_dtype=dtype).to(device)
+    pipe = from_pretrained(WanPipeline, model_id, dtype).to(device)
 
     def encode(prompt: str, batch: int = 1) -> torch.Tensor:
         embeds, _ = pipe.encode_prompt(prompt, do_classifier_free_guidance=False, num_videos_per_prompt=batch,
@@ -59,6 +75,8 @@ def pretrained_models(model_id: str, device: torch.device, dtype: torch.dtype):
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+    if (args.num_frames - 1) % 4:
+        raise SystemExit(f"--num-frames must be 4k+1 (the Wan VAE's temporal compression), got {args.num_frames}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" and args.model_id else torch.float32
     if args.model_id:
@@ -71,8 +89,6 @@ def main(argv=None) -> str:
     # The one line that makes the stock transformer causal.
     transformer.set_attn_processor(CausalWanAttnProcessor())
 
-    if (args.num_frames - 1) % 4:
-        raise SystemExit(f"--num-frames must be 4k+1 (the Wan VAE's temporal compression), got {args.num_frames}")
     latent_frames = (args.num_frames - 1) // 4 + 1
     channels = transformer.config.out_channels
     g = torch.Generator(device).manual_seed(args.seed)
@@ -93,7 +109,8 @@ def main(argv=None) -> str:
     for i, (size, seconds) in enumerate(zip(result.chunk_sizes, result.chunk_seconds)):
         print(f"  chunk {i}: {size} frames in {seconds * 1000:.1f} ms")
     print(f"rollout {rollout_seconds:.2f} s; cache: {transformer.kv_cache_engines['main']}")
-    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}")
+    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}"
+          + ("" if args.model_id else " (random weights: the video is noise; pass --model-id for a real checkpoint)"))
     return args.output
 
 

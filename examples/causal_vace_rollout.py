@@ -3,7 +3,8 @@
 control blocks).
 
 By default everything is tiny and random; the control video is synthetic (a square moving across the frame,
-rendered as a depth map: near is bright), so the script runs on a CPU in seconds:
+rendered as a depth map: near is bright), so the script runs on a CPU in about ten seconds (most of them imports);
+random weights make a video of noise:
 
     python examples/causal_vace_rollout.py --output causal_vace_rollout.mp4
 
@@ -69,6 +70,21 @@ def tiny_random_pipeline(seed: int) -> WanVACEPipeline:
                            scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer)
 
 
+def from_pretrained(pipeline_class, model_id: str, dtype: torch.dtype):
+    """``pipeline_class.from_pretrained(model_id)``; a checkpoint that cannot be reached or read ends the script with
+    one line saying so (exit status 1) instead of a traceback."""
+    try:
+        return pipeline_class.from_pretrained(model_id, dtype=dtype)
+    except (OSError, ValueError) as error:  # hub unreachable or offline, no such repo or folder, not a checkpoint
+        reason = " ".join(str(error).replace("Please check out the root cause in the stacktrace above.", "").split())
+        reason = reason if len(reason) <= 240 else reason[:240] + "..."
+        raise SystemExit(
+            f"error: could not load --model-id {model_id!r} ({type(error).__name__}: {reason}). A hub repo id needs "
+            "network access to the Hugging Face hub (or a complete copy in the local hub cache); without it, pass "
+            "the path of a local folder holding a diffusers-format checkpoint."
+        ) from None
+
+
 def control_latents(pipe: WanVACEPipeline, frames, height: int, width: int, device, dtype) -> torch.Tensor:
     """The stock pipeline's VACE conditioning for a control video with an all-ones mask (the whole video steers):
     ``[1, vace_in_channels, latent_frames, height / 8, width / 8]``."""
@@ -86,7 +102,7 @@ def main(argv=None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" and args.model_id else torch.float32
     if args.model_id:
-        pipe = WanVACEPipeline.from_pretrained(args.model_id, torch_dtype=dtype).to(device)
+        pipe = from_pretrained(WanVACEPipeline, args.model_id, dtype).to(device)
 
         def encode(prompt: str) -> torch.Tensor:
             return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=device, dtype=dtype)[0]
@@ -123,7 +139,8 @@ def main(argv=None) -> str:
     print(f"rollout {rollout_seconds:.2f} s")
     for branch, engine in transformer.kv_cache_engines.items():
         print(f"  {branch!r} cache: {engine.memory_bytes()} bytes, {engine}")
-    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}")
+    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}"
+          + ("" if args.model_id else " (random weights: the video is noise; pass --model-id for a real checkpoint)"))
     return args.output
 
 

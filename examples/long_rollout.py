@@ -55,12 +55,27 @@ def load_models(model_id: str | None, seed: int, device: torch.device, dtype: to
         return transformer.to(device), tiny_vae().to(device), tiny_prompt_encoder
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(model_id, torch_dtype=dtype).to(device)
+    pipe = from_pretrained(WanPipeline, model_id, dtype).to(device)
 
     def encode(prompt: str) -> torch.Tensor:
         return pipe.encode_prompt(prompt, do_classifier_free_guidance=False, device=device, dtype=dtype)[0]
 
     return pipe.transformer, pipe.vae, encode
+
+
+def from_pretrained(pipeline_class, model_id: str, dtype: torch.dtype):
+    """``pipeline_class.from_pretrained(model_id)``; a checkpoint that cannot be reached or read ends the script with
+    one line saying so (exit status 1) instead of a traceback."""
+    try:
+        return pipeline_class.from_pretrained(model_id, dtype=dtype)
+    except (OSError, ValueError) as error:  # hub unreachable or offline, no such repo or folder, not a checkpoint
+        reason = " ".join(str(error).replace("Please check out the root cause in the stacktrace above.", "").split())
+        reason = reason if len(reason) <= 240 else reason[:240] + "..."
+        raise SystemExit(
+            f"error: could not load --model-id {model_id!r} ({type(error).__name__}: {reason}). A hub repo id needs "
+            "network access to the Hugging Face hub (or a complete copy in the local hub cache); without it, pass "
+            "the path of a local folder holding a diffusers-format checkpoint."
+        ) from None
 
 
 def main(argv=None) -> str:
@@ -102,7 +117,8 @@ def main(argv=None) -> str:
 
     frames = decode_latents(vae, torch.cat(chunks, dim=2))
     export_to_video(list(frames), args.output, fps=args.fps)
-    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}")
+    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}"
+          + ("" if args.model_id else " (random weights: the video is noise; pass --model-id for a real checkpoint)"))
     return args.output
 
 

@@ -1,6 +1,6 @@
 """One teacher-forcing step and one self-forcing step on a stock diffusers Wan transformer, with an optimizer.
 
-Everything is tiny and random, so it runs on a CPU in seconds:
+Everything is tiny and random, so it runs on a CPU in under ten seconds (most of them imports):
 
     python examples/train_step.py
 

@@ -1,10 +1,13 @@
 """benchmarks/rollout.py runs at --size tiny and emits one valid JSON line with every CPU field (no timing
 assertions: speed is the benchmark's business)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout.py"
 VARIANTS = {"cached-vanilla", "cached-static", "ideal", "no-cache"}
@@ -28,3 +31,22 @@ def test_tiny_benchmark_emits_every_cpu_field():
     assert all(diff < 1e-4 for diff in report["max_abs_diff_vs_static"].values())  # the variants agree
     assert "cuda_wan2.1_1.3b" not in report and "compile" not in report
     assert "no-cache / cached" in run.stdout  # the table precedes the JSON
+    assert report["targets_judged"] is False and "not judged at --size tiny" in run.stdout
+    assert "--size tiny is a smoke test" in run.stdout
+
+
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("rollout_benchmark", SCRIPT)
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look their module up there
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before checking for matplotlib")
+
+    monkeypatch.setattr(benchmark, "measure_rollouts", no_run)
+    with pytest.raises(SystemExit) as exited:
+        benchmark.main(["--size", "tiny", "--plot", "chunks.png"])
+    assert exited.value.code == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err

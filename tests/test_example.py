@@ -1,6 +1,9 @@
 """The examples run end to end and write playable mp4s."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -25,6 +28,7 @@ def test_example_writes_a_playable_mp4(tmp_path, capsys):
     assert frames.std() > 1  # decoded content, not a blank video
     printed = capsys.readouterr().out
     assert "chunks (latent frames): [3, 2]" in printed and "chunk 1: 2 frames" in printed
+    assert "random weights: the video is noise" in printed
 
 
 def test_vace_example_writes_a_playable_mp4_steered_by_the_control(tmp_path, capsys):
@@ -61,3 +65,25 @@ def test_long_rollout_example_keeps_memory_flat_across_a_prompt_switch(tmp_path,
     lines = [line for line in printed.splitlines() if "memory_bytes()=" in line]
     assert len(lines) == 2 and len({line.split("memory_bytes()=")[1].split()[0] for line in lines}) == 1
     assert "switched prompt" in printed and "cache memory over 34 chunks: flat" in printed
+
+
+@pytest.mark.parametrize("name", ["causal_rollout", "causal_vace_rollout", "long_rollout"])
+def test_an_unloadable_model_id_ends_the_example_with_one_clear_line(name, tmp_path):
+    # Local paths only, so nothing reaches the network: a missing folder, and a folder without a checkpoint.
+    for model_id in (tmp_path / "no-such-checkpoint", tmp_path):
+        with pytest.raises(SystemExit) as exited:
+            _load(name).main(["--model-id", str(model_id), "--output", str(tmp_path / "out.mp4")])
+        message = exited.value.code  # SystemExit(str): Python prints it to stderr and exits with status 1
+        assert isinstance(message, str) and "\n" not in message
+        assert message.startswith(f"error: could not load --model-id {str(model_id)!r}")
+        assert "network access to the Hugging Face hub" in message and "local folder" in message
+
+
+def test_an_unloadable_model_id_exits_non_zero_without_a_traceback(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "causal_rollout.py"), "--model-id", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr and "FutureWarning" not in run.stderr  # no torch_dtype deprecation
+    assert run.stderr.strip().splitlines()[-1].startswith("error: could not load --model-id")

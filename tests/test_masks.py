@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from diffusers_causal_kv import block_causal_mask, teacher_forcing_mask
+from diffusers_causal_kv import block_causal_mask, chunk_schedule, teacher_forcing_mask
 
 
 def _frames(rows: list[str]) -> torch.Tensor:
@@ -104,6 +104,20 @@ def test_bad_schedule_and_tokens():
         block_causal_mask(6, [2, 2], frame_tokens=1)
     with pytest.raises(ValueError, match="frame_tokens must be a positive int"):
         block_causal_mask(6, 2, frame_tokens=0)
+
+
+@pytest.mark.parametrize("num_frames", range(1, 23))
+def test_bad_schedule_error_suggests_a_schedule_that_fits(num_frames):
+    with pytest.raises(ValueError, match="must be positive ints adding up to") as caught:
+        chunk_schedule(num_frames, [num_frames + 1])
+    suggestion = str(caught.value).split("; e.g. ", 1)[1].split(" for ", 1)[0].rstrip(".")
+    sizes = eval(suggestion)  # e.g. "[3] + [3] * 2"
+    assert sum(sizes) == num_frames and chunk_schedule(num_frames, sizes) == sizes
+
+
+def test_bad_schedule_error_without_frames_says_so():
+    with pytest.raises(ValueError, match="no frames to split"):
+        chunk_schedule(0, [1])
 
 
 @pytest.mark.parametrize("mask", [

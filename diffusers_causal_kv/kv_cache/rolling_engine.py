@@ -163,11 +163,11 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         most recent frames: once the tag evicted a frame, it may be cropped into its sink only."""
         entry = self._any_entry(cache_tag)
         committed = self.num_frames(cache_tag)
-        evicted = entry is not None and entry.oldest > self.sink_frames
-        if evicted and self.sink_frames < keep < committed:
+        oldest = committed if entry is None else entry.oldest  # a tag only skipped forward holds no recent frame
+        if oldest > self.sink_frames and self.sink_frames < keep < committed:
             raise ValueError(
                 f"crop({num_frames}) on cache tag {cache_tag!r} would end it at frame {keep}, but frames "
-                f"{self.sink_frames}..{entry.oldest - 1} were evicted from the window, so a chunk regenerated there "
+                f"{self.sink_frames}..{oldest - 1} were evicted from the window, so a chunk regenerated there "
                 f"could not see its whole window; crop to at most {self.sink_frames} frames (the sink) or clear the "
                 "tag."
             )
