@@ -36,6 +36,7 @@ compatibility, performance) at https://github.com/diffusers-causal-kv/diffusers-
 ``docs/architecture.md`` for the layers and their contracts, and ``examples/`` for runnable scripts.
 """
 
+from .causal_config import CausalConfig
 from .context import CausalContext, get_current_context
 from .kv_cache import (
     BaseKVCacheEngine,
@@ -46,6 +47,7 @@ from .kv_cache import (
 )
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
+from .pipeline import CausalWanPipeline
 from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
@@ -53,9 +55,11 @@ from .streaming import StreamingRollout, prefill, recache
 
 __all__ = [
     "BaseKVCacheEngine",
+    "CausalConfig",
     "CausalContext",
     "CausalMask",
     "CausalWanAttnProcessor",
+    "CausalWanPipeline",
     "KVCacheEngine",
     "RollingKVCacheEngine",
     "RolloutOutput",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .causal_config import CONTEXT_NOISE_MODES
 from .context import CausalContext
 from .masks import chunk_schedule
 from .model import (
@@ -26,6 +27,14 @@ from .model import (
     resolve_engines,
     topology,
 )
+
+
+def check_context_noise(context_noise: float, mode: str) -> None:
+    """Refuse a commit timestep outside 0..1000 or an unknown ``context_noise_mode``."""
+    if mode not in CONTEXT_NOISE_MODES:
+        raise ValueError(f"context_noise_mode must be 'label' or 'renoise', got {mode!r}.")
+    if not 0 <= context_noise <= 1000:
+        raise ValueError(f"context_noise is a timestep in [0, 1000], got {context_noise!r}.")
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,14 @@ class RolloutPlanner:
             frames, sliced per chunk; ``control_scale`` the per-VACE-layer scale.
         cache_engines: the engine map to use; default ``transformer.kv_cache_engines``.
         generator: random generator of re-noising.
+        attention_kwargs: passed to every forward (e.g. ``{"scale": 0.5}``, the LoRA scale).
     """
 
     def __init__(self, model, prompt_embeds: torch.Tensor, *, negative_prompt_embeds: torch.Tensor | None = None,
                  guidance_scale: float = 1.0, cache_tag: str = "pos", image_embeds: torch.Tensor | None = None,
                  condition_latents: torch.Tensor | None = None, control_latents: torch.Tensor | None = None,
                  control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, attention_kwargs: dict | None = None) -> None:
         self.transformer = resolve_transformer(model)
         is_vace = topology(self.transformer).is_vace
         if is_vace != (control_latents is not None):
@@ -83,6 +93,7 @@ class RolloutPlanner:
         self.cache_tag, self.guidance_scale, self.image_embeds = cache_tag, guidance_scale, image_embeds
         self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
         self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
+        self.attention_kwargs = attention_kwargs
 
     @property
     def engines(self) -> dict:
@@ -138,10 +149,12 @@ class RolloutPlanner:
                 for k, v in self.per_frame.items()}
         condition = part["condition_latents"]
         inputs = {
-            "hidden_states": x if condition is None else torch.cat([x, condition], dim=1),
+            # in the transformer's dtype, as the stock pipelines pass it (the latents stay in theirs)
+            "hidden_states": (x if condition is None else torch.cat([x, condition], dim=1)).to(self.transformer.dtype),
             "timestep": torch.full((x.shape[0],), float(t), device=x.device, dtype=torch.float32),
             "encoder_hidden_states": self.prompts[tag],
             "encoder_hidden_states_image": self.image_embeds,
+            "attention_kwargs": self.attention_kwargs,
         }
         if part["control_latents"] is not None:
             inputs.update(control_hidden_states=part["control_latents"], control_hidden_states_scale=self.control_scale)
@@ -170,10 +183,14 @@ class RolloutPlanner:
         noise = torch.randn(x0.shape, generator=self.generator, device=x0.device, dtype=x0.dtype)
         return (1 - sigma) * x0 + sigma * noise
 
-    def commit(self, x: torch.Tensor, chunk: Chunk, context_noise: float = 0.0) -> None:
-        """Commit a clean chunk on every tag (all or none), re-noised to ``context_noise`` (timestep units) when
-        above 0."""
-        if context_noise > 0:
+    def commit(self, x: torch.Tensor, chunk: Chunk, context_noise: float = 0.0, mode: str = "label") -> None:
+        """Commit a clean chunk on every tag (all or none) with the timestep label ``context_noise`` (0..1000).
+
+        ``mode="label"`` commits the clean chunk as it is (the peers' inference); ``mode="renoise"`` first noises it
+        to the level ``context_noise`` with fresh noise from the generator (the peers' training code). The two are
+        the same at ``context_noise=0``."""
+        check_context_noise(context_noise, mode)
+        if mode == "renoise" and context_noise > 0:
             x = self.renoise(x, context_noise / 1000)
         with torch.no_grad(), commits_together():
             for tag in self.prompts:

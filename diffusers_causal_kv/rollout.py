@@ -3,7 +3,8 @@
 
 For each chunk of latent frames: denoise it against the cached prefix (few-step sampling over a timestep list, or
 any diffusers flow-matching scheduler, reset for every chunk), then run one commit pass on the clean chunk
-(``store_kv=True``, at t=0 or at a ``context_noise`` level) so the next chunks attend to it.
+(``store_kv=True``, with the timestep label ``context_noise``, re-noised to it or not by ``context_noise_mode``) so
+the next chunks attend to it.
 
 :func:`causal_rollout` runs everything without gradients. :func:`self_forcing_rollout` is the training variant:
 each chunk keeps gradients for one denoising step only (Self-Forcing's stochastic exit step), the commit passes run
@@ -12,14 +13,15 @@ without gradients, and the returned latents carry the autograd graph for a DMD-s
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .planner import Chunk, RolloutPlanner
+from .planner import Chunk, RolloutPlanner, check_context_noise
 
 
 @dataclass
@@ -48,19 +50,47 @@ def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_tim
 
 
 def denoise_chunk(planner: RolloutPlanner, x: torch.Tensor, chunk: Chunk, sigmas: list[float] | None,
-                  scheduler=None, num_inference_steps: int | None = None) -> torch.Tensor:
+                  scheduler=None, num_inference_steps: int | None = None,
+                  on_step: Callable[[int, float, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The clean chunk sampled from noise ``x``: few-step (predict x0 at each noise level of ``sigmas``, re-noise to
-    the next) or, with ``scheduler``, multi-step with a diffusers flow-matching scheduler reset for the chunk."""
+    the next) or, with ``scheduler``, multi-step with a diffusers flow-matching scheduler reset for the chunk.
+
+    ``on_step(step, t, x)``, when given, runs after every denoising step with the step's index in the chunk, its
+    timestep and the chunk's latents after it (the re-noised latents, or the clean chunk after the last step); what
+    it returns replaces them."""
     if scheduler is None:
         for i, sigma in enumerate(sigmas):
             x0 = planner.predict_x0(x, sigma, chunk)
-            if i + 1 < len(sigmas):
-                x = planner.renoise(x0, sigmas[i + 1])
-        return x0
+            x = planner.renoise(x0, sigmas[i + 1]) if i + 1 < len(sigmas) else x0
+            if on_step is not None:
+                x = on_step(i, sigma * 1000, x)
+        return x
     scheduler.set_timesteps(num_inference_steps, device=x.device)
-    for t in scheduler.timesteps:
+    for i, t in enumerate(scheduler.timesteps):
         x = scheduler.step(planner.flow(x, t, chunk), t, x, return_dict=False)[0]
+        if on_step is not None:
+            x = on_step(i, float(t), x)
     return x
+
+
+def rollout_chunks(planner: RolloutPlanner, chunks: Sequence[Chunk], noise_for: Callable[[Chunk], torch.Tensor], *,
+                   sigmas: list[float] | None, scheduler=None, num_inference_steps: int | None = None,
+                   context_noise: float = 0.0, context_noise_mode: str = "label",
+                   on_step: Callable[[Chunk, int, float, torch.Tensor], torch.Tensor] | None = None,
+                   ) -> Iterator[tuple[Chunk, torch.Tensor, float]]:
+    """The inference loop, one chunk at a time: for each chunk, ``noise_for(chunk)`` gives its initial noise, the
+    chunk is denoised against the cache (:func:`denoise_chunk`) and committed on every tag; yields
+    ``(chunk, clean latents, seconds)`` once the chunk is committed. ``causal_rollout``, ``CausalWanPipeline`` and
+    streams drive it, so they draw random numbers in the same order: the chunk's noise (when ``noise_for`` draws
+    it), then one draw per re-noising between few-step steps, then the commit's (``context_noise_mode="renoise"``
+    with ``context_noise > 0`` only)."""
+    for chunk in chunks:
+        began = time.perf_counter()
+        step = None if on_step is None else functools.partial(on_step, chunk)
+        x = denoise_chunk(planner, noise_for(chunk), chunk, sigmas, scheduler, num_inference_steps, step)
+        planner.commit(x, chunk, context_noise, context_noise_mode)
+        _synchronize(x)
+        yield chunk, x, time.perf_counter() - began
 
 
 @torch.no_grad()
@@ -77,10 +107,12 @@ def causal_rollout(
     scheduler=None,
     num_inference_steps: int | None = None,
     context_noise: float = 0.0,
+    context_noise_mode: str = "label",
     condition_latents: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,  # Wan2.1 I2V
     control_latents: torch.Tensor | None = None, control_scale: torch.Tensor | None = None,  # VACE
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
+    attention_kwargs: dict | None = None,
     progress: bool = True,
     continue_cache: bool = False,
 ) -> RolloutOutput:
@@ -96,7 +128,10 @@ def causal_rollout(
             to the next one. Ignored when ``scheduler`` is given.
         scheduler / num_inference_steps: multi-step sampling with a diffusers flow-matching scheduler, whose
             ``set_timesteps`` is called again for every chunk.
-        context_noise: noise level (in timestep units, 0..1000) at which clean chunks are committed.
+        context_noise: timestep label (0..1000) of the commit pass of each clean chunk.
+        context_noise_mode: ``"label"`` (default) commits the clean chunk with that label, as Self-Forcing's,
+            CausVid's and LongLive's inference do; ``"renoise"`` first noises it to that level, as their training
+            does (the same at ``context_noise=0``).
         condition_latents: Wan2.1 I2V condition (mask and image latents), ``[batch, 20, frames, height, width]``,
             concatenated to each chunk's latents along channels.
         image_embeds: Wan2.1 I2V image-encoder embeddings, passed to every forward.
@@ -104,6 +139,7 @@ def causal_rollout(
             sliced per chunk like the noise, and the per-VACE-layer scale (``[len(vace_layers)]``, default ones).
         cache_engines: engine map for this rollout (one per user session); default ``transformer.kv_cache_engines``.
         generator: random generator for re-noising.
+        attention_kwargs: passed to every forward (e.g. ``{"scale": 0.5}``, the LoRA scale).
         progress: show a tqdm progress bar over chunks.
         continue_cache: keep the cache instead of clearing it, and start at the frame the ``"main"`` engine's
             ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
@@ -112,23 +148,23 @@ def causal_rollout(
     planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
                              condition_latents=condition_latents, control_latents=control_latents,
-                             control_scale=control_scale, cache_engines=cache_engines, generator=generator)
+                             control_scale=control_scale, cache_engines=cache_engines, generator=generator,
+                             attention_kwargs=attention_kwargs)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
     sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear
+    check_context_noise(context_noise, context_noise_mode)
     chunks = planner.plan(noise, chunk_frames, planner.next_frame() if continue_cache else 0)
     planner.check(noise, chunks)
     if not continue_cache:
         planner.clear()
+    loop = rollout_chunks(planner, chunks, lambda c: noise[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
+                          scheduler=scheduler, num_inference_steps=num_inference_steps, context_noise=context_noise,
+                          context_noise_mode=context_noise_mode)
     outputs, seconds = [], []
-    for chunk in tqdm(chunks, desc="causal rollout", unit="chunk", disable=not progress):
-        began = time.perf_counter()
-        x = denoise_chunk(planner, noise[:, :, chunk.offset:chunk.offset + chunk.size], chunk, sigmas, scheduler,
-                          num_inference_steps)
-        planner.commit(x, chunk, context_noise)
-        _synchronize(x)
-        seconds.append(time.perf_counter() - began)
+    for _, x, took in tqdm(loop, total=len(chunks), desc="causal rollout", unit="chunk", disable=not progress):
         outputs.append(x)
+        seconds.append(took)
     return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
                          chunk_seconds=seconds)
 
@@ -144,6 +180,7 @@ def self_forcing_rollout(
     timesteps: Sequence[float] = (1000, 750, 500, 250),
     shift: float = 5.0,
     context_noise: float = 0.0,
+    context_noise_mode: str = "renoise",
     negative_prompt_embeds: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
     condition_latents: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,  # Wan2.1 I2V
@@ -167,6 +204,8 @@ def self_forcing_rollout(
             or ``None`` to draw one uniformly with ``generator`` for the whole rollout (Self-Forcing's default).
         grad_from_frame: chunks that start before this latent frame keep no gradients at all (Self-Forcing trains
             on the last frames of a long rollout only).
+        context_noise_mode: ``"renoise"`` by default here, as Self-Forcing's training re-noises the clean chunk to
+            ``context_noise`` before committing it; ``"label"`` commits it clean with that timestep label.
         Other arguments as in :func:`causal_rollout` (few-step sampling only).
 
     Returns:
@@ -180,6 +219,7 @@ def self_forcing_rollout(
     chunks = planner.plan(noise, chunk_frames)
     exits = _exit_steps(exit_step, len(timesteps), len(chunks), generator)
     sigmas = shifted_sigmas(timesteps, shift).tolist()
+    check_context_noise(context_noise, context_noise_mode)
     planner.check(noise, chunks)
     planner.clear()
     outputs, seconds = [], []
@@ -191,7 +231,7 @@ def self_forcing_rollout(
                 x = planner.renoise(planner.predict_x0(x, sigmas[i], chunk), sigmas[i + 1])
         with torch.set_grad_enabled(torch.is_grad_enabled() and chunk.offset >= grad_from_frame):
             x0 = planner.predict_x0(x, sigmas[exit_at], chunk)
-        planner.commit(x0.detach(), chunk, context_noise)
+        planner.commit(x0.detach(), chunk, context_noise, context_noise_mode)
         seconds.append(time.perf_counter() - began)
         outputs.append(x0)
     return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],

@@ -18,7 +18,6 @@ committed (``next_frame`` says where to continue), and undoes a :func:`prefill` 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 
 import torch
@@ -27,8 +26,8 @@ from tqdm.auto import tqdm
 from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
 from .masks import chunk_schedule
 from .model import resolve_engines, topology
-from .planner import RolloutPlanner, resolve_transformer
-from .rollout import RolloutOutput, _synchronize, denoise_chunk, shifted_sigmas
+from .planner import RolloutPlanner, check_context_noise, resolve_transformer
+from .rollout import RolloutOutput, rollout_chunks, shifted_sigmas
 
 
 @torch.no_grad()
@@ -41,6 +40,7 @@ def prefill(
     start_frame: int | None = None,
     chunk_frames: int | Sequence[int] = 3,
     context_noise: float = 0.0,
+    context_noise_mode: str = "label",
     image_embeds: torch.Tensor | None = None,
     condition_latents: torch.Tensor | None = None,
     control_latents: torch.Tensor | None = None,
@@ -54,7 +54,8 @@ def prefill(
         start_frame: absolute frame index of the first latent frame. ``None`` continues the tag where it is; a
             later frame skips the frames in between (:meth:`RollingKVCacheEngine.skip_to`; rolling engines only).
         chunk_frames: chunk size of the commit passes (remainder absorbed by the first chunk) or a list of sizes.
-        context_noise: noise level (timestep units) at which the frames are committed, as in ``causal_rollout``.
+        context_noise / context_noise_mode: the commit passes' timestep label, and whether the frames are first
+            noised to it (``"renoise"``) or committed clean (``"label"``), as in ``causal_rollout``.
         image_embeds / condition_latents / control_latents / control_scale: the per-forward and per-frame inputs of
             Wan2.1 I2V and VACE (the per-frame ones cover the same frames as ``latents``).
         cache_engines: engine map to write; default ``transformer.kv_cache_engines``.
@@ -68,6 +69,7 @@ def prefill(
     engines, cached = planner.engines, planner.next_frame()
     start = cached if start_frame is None else start_frame
     chunks = planner.plan(latents, chunk_frames, start, given="latents")  # every check before a skip changes the cache
+    check_context_noise(context_noise, context_noise_mode)
     if start != cached:
         can_skip = bool(engines) and all(isinstance(e, RollingKVCacheEngine) for e in engines.values())
         if start < cached or not can_skip:
@@ -80,7 +82,8 @@ def prefill(
             for engine in engines.values():
                 skips.enter_context(engine.skipping_to(start, cache_tag))
         for chunk in chunks:
-            planner.commit(latents[:, :, chunk.offset:chunk.offset + chunk.size], chunk, context_noise)
+            planner.commit(latents[:, :, chunk.offset:chunk.offset + chunk.size], chunk, context_noise,
+                           context_noise_mode)
     return start + latents.shape[2]
 
 
@@ -93,6 +96,7 @@ def recache(
     cache_tag: str = "pos",
     chunk_frames: int = 3,
     context_noise: float = 0.0,
+    context_noise_mode: str = "label",
     image_embeds: torch.Tensor | None = None,
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
@@ -112,15 +116,16 @@ def recache(
     """
     transformer = resolve_transformer(model)
     engines = resolve_engines(transformer, cache_engines)
-    scratch = _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, context_noise,
-                        image_embeds, generator)
+    scratch = _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames,
+                        (context_noise, context_noise_mode), image_embeds, generator)
     for branch, engine in engines.items():
         engine.adopt_tag(scratch[branch], cache_tag)
 
 
-def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, context_noise, image_embeds,
+def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, commit_noise, image_embeds,
               generator) -> dict[str, RollingKVCacheEngine]:
-    """Scratch engines holding ``cache_tag`` re-cached under ``prompt_embeds`` (``engines`` untouched)."""
+    """Scratch engines holding ``cache_tag`` re-cached under ``prompt_embeds`` (``engines`` untouched);
+    ``commit_noise`` is ``(context_noise, context_noise_mode)``."""
     if not engines or not all(isinstance(e, RollingKVCacheEngine) for e in engines.values()):
         raise TypeError(
             "recache() refills the window of a RollingKVCacheEngine; put one on every branch of "
@@ -138,7 +143,8 @@ def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_fram
     scratch = {branch: engine.empty_like() for branch, engine in engines.items()}
     for start, latents in window:
         prefill(transformer, latents, prompt_embeds, cache_tag=cache_tag, start_frame=start,
-                chunk_frames=recache_schedule(latents.shape[2], chunk_frames), context_noise=context_noise,
+                chunk_frames=recache_schedule(latents.shape[2], chunk_frames), context_noise=commit_noise[0],
+                context_noise_mode=commit_noise[1],
                 image_embeds=image_embeds, cache_engines=scratch, generator=generator)
     if scratch["main"].next_frame(cache_tag) != resume:  # nothing recent held: continue where the rollout was
         for engine in scratch.values():
@@ -172,7 +178,8 @@ class StreamingRollout:
         model: a Wan transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
         prompt_embeds / negative_prompt_embeds / guidance_scale: the conditioning, with CFG through tags
             ``"pos"``/``"neg"`` when ``guidance_scale != 1``.
-        chunk_frames, timesteps, shift, context_noise, generator: as in :func:`~diffusers_causal_kv.causal_rollout`.
+        chunk_frames, timesteps, shift, context_noise, context_noise_mode, generator: as in
+            :func:`~diffusers_causal_kv.causal_rollout`.
         cache_engines: engine map of this rollout; default ``transformer.kv_cache_engines``.
 
     The caches are cleared when the rollout is created.
@@ -189,6 +196,7 @@ class StreamingRollout:
         timesteps: Sequence[float] = (1000, 750, 500, 250),
         shift: float = 5.0,
         context_noise: float = 0.0,
+        context_noise_mode: str = "label",
         cache_engines: dict | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
@@ -204,7 +212,9 @@ class StreamingRollout:
         self.prompts = self._planner.prompts
         self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
         self.timesteps, self.shift = timesteps, shift
-        self.context_noise, self.cache_engines, self.generator = context_noise, cache_engines, generator
+        check_context_noise(context_noise, context_noise_mode)
+        self.commit_noise = (context_noise, context_noise_mode)
+        self.cache_engines, self.generator = cache_engines, generator
         self._window: list[tuple[int, torch.Tensor]] = []
         self._planner.clear()
 
@@ -232,7 +242,7 @@ class StreamingRollout:
         self._held_parts(self._window)  # frames committed behind this rollout's back: refuse before any work
         for chunk in self._planner.plan(latents, self.chunk_frames, self.next_frame, given="latents"):
             part = latents[:, :, chunk.offset:chunk.offset + chunk.size]
-            self._planner.commit(part, chunk, self.context_noise)  # every tag or none
+            self._planner.commit(part, chunk, *self.commit_noise)  # every tag or none
             self._remember(chunk.frame, part)  # per chunk: an error in a later one leaves this one usable
 
     @torch.no_grad()
@@ -242,16 +252,15 @@ class StreamingRollout:
         chunks = self._planner.plan(noise, self.chunk_frames, self.next_frame)
         sigmas = shifted_sigmas(self.timesteps, self.shift).tolist()
         self._planner.check(noise, chunks)  # the whole request, as one causal_rollout call would
+        loop = rollout_chunks(self._planner, chunks, lambda c: noise[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
+                              context_noise=self.commit_noise[0], context_noise_mode=self.commit_noise[1])
         outputs, seconds = [], []
         # Each committed chunk is remembered at once, so an interrupted generate() leaves the stream consistent with
         # its cache (the chunks before the interruption kept).
-        for chunk in tqdm(chunks, desc="streaming rollout", unit="chunk", disable=not progress):
-            began = time.perf_counter()
-            x = denoise_chunk(self._planner, noise[:, :, chunk.offset:chunk.offset + chunk.size], chunk, sigmas)
-            self._planner.commit(x, chunk, self.context_noise)
+        for chunk, x, took in tqdm(loop, total=len(chunks), desc="streaming rollout", unit="chunk",
+                                   disable=not progress):
             self._remember(chunk.frame, x)
-            _synchronize(x)
-            seconds.append(time.perf_counter() - began)
+            seconds.append(took)
             outputs.append(x)
         return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
                              chunk_seconds=seconds)
@@ -266,7 +275,7 @@ class StreamingRollout:
         # Every tag is re-cached before any is swapped in, so a failure (say, a malformed negative prompt) leaves the
         # rollout on its old prompts.
         scratch = {tag: _recached(self.transformer, engines, self._window, prompt, tag, self.chunk_frames,
-                                  self.context_noise, None, self.generator) for tag, prompt in new.items()}
+                                  self.commit_noise, None, self.generator) for tag, prompt in new.items()}
         for tag, built in scratch.items():
             for branch, engine in engines.items():
                 engine.adopt_tag(built[branch], tag)

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import string
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers import (
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    WanTransformer3DModel,
+    WanVACETransformer3DModel,
+)
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.video_processor import VideoProcessor
 
@@ -25,7 +31,10 @@ __all__ = [
     "MaskedStockProcessor",
     "decode_latents",
     "tiny_conditioning",
+    "tiny_pipeline_components",
     "tiny_prompt_encoder",
+    "tiny_text_encoder",
+    "tiny_tokenizer",
     "tiny_vace",
     "tiny_vae",
     "tiny_wan",
@@ -162,3 +171,42 @@ class MaskedStockProcessor(WanAttnProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         mask = self.mask if encoder_hidden_states is None else None
         return super().__call__(attn, hidden_states, encoder_hidden_states, mask, rotary_emb)
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer built in code (nothing downloaded) that behaves like the T5 tokenizer the Wan
+    pipelines call: lower-cased characters, ``</s>`` appended, ``<pad>`` padding, ``<unk>`` for anything unknown."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = " " + string.ascii_lowercase + string.digits + string.punctuation
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(symbols)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_text_encoder(seed: int = 0, text_dim: int = TEXT_DIM):
+    """A tiny random ``UMT5EncoderModel`` (the Wan text encoder's class) whose width is the tiny models' text dim,
+    with :func:`tiny_tokenizer`'s vocabulary."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=len(tiny_tokenizer()), d_model=text_dim, d_kv=8, d_ff=2 * text_dim, num_layers=1,
+                        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    torch.manual_seed(seed)
+    return UMT5EncoderModel(config).eval()
+
+
+def tiny_pipeline_components(transformer=None, seed: int = 0) -> dict:
+    """Components for ``CausalWanPipeline(**components)`` (or the stock Wan pipelines): a tiny transformer
+    (:func:`tiny_wan` unless given), :func:`tiny_vae`, :func:`tiny_text_encoder`, :func:`tiny_tokenizer` and a
+    flow-matching scheduler with Wan's shift."""
+    return {
+        "transformer": tiny_wan(seed=seed) if transformer is None else transformer,
+        "vae": tiny_vae(seed=seed),
+        "text_encoder": tiny_text_encoder(seed=seed),
+        "tokenizer": tiny_tokenizer(),
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+    }

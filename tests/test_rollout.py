@@ -67,7 +67,8 @@ class ReferenceLoop:
         self.commit_ts.append(t)
 
 
-def _reference_few_step(model, noise, prompts, sizes, timesteps, shift, scale, context_noise, generator, **kw):
+def _reference_few_step(model, noise, prompts, sizes, timesteps, shift, scale, context_noise, generator,
+                        mode="label", **kw):
     ref = ReferenceLoop(model, prompts, scale, **kw)
     sigmas = shifted_sigmas(timesteps, shift)
     start, out = 0, []
@@ -79,7 +80,7 @@ def _reference_few_step(model, noise, prompts, sizes, timesteps, shift, scale, c
                 n = torch.randn(x0.shape, generator=generator)
                 x = (1 - sigmas[i + 1].item()) * x0 + sigmas[i + 1].item() * n
         committed = x0
-        if context_noise:
+        if context_noise and mode == "renoise":
             committed = (1 - context_noise / 1000) * x0 + context_noise / 1000 * torch.randn(x0.shape,
                                                                                            generator=generator)
         ref.commit(committed, context_noise)
@@ -88,9 +89,11 @@ def _reference_few_step(model, noise, prompts, sizes, timesteps, shift, scale, c
     return torch.cat(out, dim=2)
 
 
-@pytest.mark.parametrize("scale, context_noise, chunks", [(1.0, 0.0, 3), (3.0, 0.0, [1, 2, 2]), (2.0, 100.0, 2)],
-                         ids=["plain", "cfg", "cfg-context-noise"])
-def test_few_step_rollout_matches_reference(scale, context_noise, chunks):
+@pytest.mark.parametrize("scale, context_noise, chunks, mode",
+                         [(1.0, 0.0, 3, "label"), (3.0, 0.0, [1, 2, 2], "label"), (2.0, 100.0, 2, "renoise"),
+                          (2.0, 100.0, 2, "label")],
+                         ids=["plain", "cfg", "cfg-context-noise-renoise", "cfg-context-noise-label"])
+def test_few_step_rollout_matches_reference(scale, context_noise, chunks, mode):
     model = tiny_wan()
     text, _ = conditioning(model, batch=2)
     negative, _ = conditioning(model, batch=2, seed=9)
@@ -98,10 +101,11 @@ def test_few_step_rollout_matches_reference(scale, context_noise, chunks):
     noise = torch.randn(2, 16, frames, 4, 4, generator=torch.Generator().manual_seed(0))
     sizes = chunk_schedule(frames, chunks)
     expected = _reference_few_step(model, noise, {"pos": text, "neg": negative}, sizes, [1000, 750, 500], 5.0,
-                                   scale, context_noise, torch.Generator().manual_seed(42))
+                                   scale, context_noise, torch.Generator().manual_seed(42), mode)
     model.set_attn_processor(CausalWanAttnProcessor())
     result = causal_rollout(model, noise, text, negative_prompt_embeds=negative, guidance_scale=scale,
                             chunk_frames=chunks, timesteps=[1000, 750, 500], context_noise=context_noise,
+                            context_noise_mode=mode,
                             generator=torch.Generator().manual_seed(42), progress=False)
     assert result.chunk_sizes == sizes and len(result.chunk_seconds) == len(sizes)
     torch.testing.assert_close(result.latents, expected, rtol=0, atol=1e-5)

@@ -1,0 +1,381 @@
+"""``CausalWanPipeline``: the diffusers pipeline of a causal Wan checkpoint, from a prompt to a video.
+
+It is composed from the components of the stock Wan pipelines (tokenizer, UMT5 text encoder, ``AutoencoderKLWan``,
+scheduler, a ``WanTransformer3DModel`` or ``WanVACETransformer3DModel``, and for Wan2.1 I2V the CLIP image encoder
+and processor), so ``CausalWanPipeline.from_pipe(WanPipeline / WanImageToVideoPipeline / WanVACEPipeline)`` reuses
+a loaded stock pipeline's objects as they are. Text, image and control inputs are prepared by the stock pipelines'
+own methods; the sampling is the package's chunked rollout (:func:`~diffusers_causal_kv.rollout.rollout_chunks` on
+a :class:`~diffusers_causal_kv.RolloutPlanner`), with the checkpoint's :class:`~diffusers_causal_kv.CausalConfig`
+(``causal_config.json``) as the defaults of every sampling argument.
+
+Random numbers are drawn in one documented order, so a stream can reproduce a pipeline call: per chunk, in chunk
+order, the chunk's initial noise ``randn_tensor([batch, channels, chunk_frames, h, w], generator)`` (unless
+``latents`` are given), then one draw of the chunk's shape per re-noising between few-step steps, then the commit's
+draw (``context_noise_mode="renoise"`` with ``context_noise > 0`` only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    WanTransformer3DModel,
+    WanVACETransformer3DModel,
+)
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.loaders import WanLoraLoaderMixin
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
+from diffusers.pipelines.wan.pipeline_wan_vace import WanVACEPipeline
+from diffusers.utils import logging
+from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+from .causal_config import CausalConfig
+from .kv_cache import RollingKVCacheEngine
+from .model import topology
+from .planner import Chunk, RolloutPlanner, check_context_noise
+from .processors import CausalWanAttnProcessor
+from .rollout import rollout_chunks, shifted_sigmas
+
+logger = logging.get_logger(__name__)
+
+
+class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
+    """Causal, chunk-by-chunk text-to-video (and Wan2.1 image-to-video, VACE) with a KV cache.
+
+    Args:
+        tokenizer / text_encoder / vae / scheduler / transformer: as in ``WanPipeline`` (``transformer`` may be a
+            ``WanVACETransformer3DModel``, as in ``WanVACEPipeline``).
+        image_encoder / image_processor: Wan2.1 I2V only, as in ``WanImageToVideoPipeline``.
+        transformer_2 / boundary_ratio / expand_timesteps: the Wan2.2 settings of the stock pipelines, accepted so
+            that ``from_pipe`` and saved folders carry them; a call refuses them until Wan2.2 is supported.
+        causal_config: the sampling defaults (:class:`~diffusers_causal_kv.CausalConfig` or its dict);
+            ``from_pretrained`` reads ``causal_config.json`` from the folder (or its ``transformer/``) when not given.
+
+    The processors are installed at the first call when the transformer has none (with a
+    :class:`~diffusers_causal_kv.RollingKVCacheEngine` on every branch when the config sets ``window_frames``).
+    """
+
+    model_cpu_offload_seq = "text_encoder->image_encoder->transformer->vae"
+    _optional_components = ["image_encoder", "image_processor", "transformer_2"]
+    _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
+
+    # The stock Wan pipelines' input preparation, reused as is (these functions only read the components).
+    _get_t5_prompt_embeds = WanPipeline._get_t5_prompt_embeds
+    encode_prompt = WanPipeline.encode_prompt
+    encode_image = WanImageToVideoPipeline.encode_image
+    _prepare_i2v_latents = WanImageToVideoPipeline.prepare_latents
+    preprocess_conditions = WanVACEPipeline.preprocess_conditions
+    prepare_video_latents = WanVACEPipeline.prepare_video_latents
+    prepare_masks = WanVACEPipeline.prepare_masks
+
+    def __init__(
+        self,
+        tokenizer: AutoTokenizer,
+        text_encoder: UMT5EncoderModel,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        transformer: WanTransformer3DModel | WanVACETransformer3DModel,
+        image_encoder: CLIPVisionModel | None = None,
+        image_processor: CLIPImageProcessor | None = None,
+        transformer_2: WanTransformer3DModel | WanVACETransformer3DModel | None = None,
+        boundary_ratio: float | None = None,
+        expand_timesteps: bool = False,
+        causal_config: CausalConfig | dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.register_modules(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                              transformer=transformer, image_encoder=image_encoder, image_processor=image_processor,
+                              transformer_2=transformer_2)
+        self.register_to_config(boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
+        if isinstance(causal_config, dict):
+            causal_config = CausalConfig.from_dict(causal_config)
+        self.causal_config = causal_config or CausalConfig()
+        self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
+        self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+
+    # ------------------------------------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``DiffusionPipeline.from_pretrained``, plus ``causal_config.json`` from a local folder (its root, then its
+        ``transformer/``) when ``causal_config`` is not passed."""
+        if "causal_config" not in kwargs and os.path.isdir(pretrained_model_name_or_path):
+            root = str(pretrained_model_name_or_path)
+            kwargs["causal_config"] = CausalConfig.find([root, os.path.join(root, "transformer")])
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``DiffusionPipeline.save_pretrained``, plus the pipeline's ``causal_config.json``."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.causal_config.save(save_directory)
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def guidance_scale(self) -> float:
+        return self._guidance_scale
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return self._guidance_scale > 1.0
+
+    @property
+    def num_timesteps(self) -> int:
+        """Denoising steps of the whole call (steps per chunk times chunks)."""
+        return self._num_timesteps
+
+    @property
+    def current_timestep(self):
+        return self._current_timestep
+
+    @property
+    def interrupt(self) -> bool:
+        """Set by a callback to stop after the current chunk (the chunks made so far are returned)."""
+        return self._interrupt
+
+    @property
+    def attention_kwargs(self) -> dict | None:
+        return self._attention_kwargs
+
+    def install_processors(self) -> None:
+        """Install ``CausalWanAttnProcessor`` on the transformer unless it has it: with a
+        :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch when ``causal_config.window_frames`` is set
+        (and no engines were set), else the default engines."""
+        transformer = self.transformer
+        if any(isinstance(p, CausalWanAttnProcessor) for p in transformer.attn_processors.values()):
+            return
+        window = self.causal_config.window_frames
+        if window is not None and getattr(transformer, "kv_cache_engines", None) is None:
+            transformer.kv_cache_engines = {branch: RollingKVCacheEngine(window, self.causal_config.sink_frames)
+                                            for branch in topology(transformer).branches}
+        transformer.set_attn_processor(CausalWanAttnProcessor())
+
+    # ------------------------------------------------------------------------------------------------ call
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        image=None,
+        video=None,
+        mask=None,
+        reference_images=None,
+        conditioning_scale: float | list[float] | torch.Tensor = 1.0,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int | None = None,
+        chunk_frames: int | list[int] | None = None,
+        timesteps: list[float] | None = None,
+        shift: float | None = None,
+        num_inference_steps: int | None = None,
+        context_noise: float | None = None,
+        context_noise_mode: str | None = None,
+        guidance_scale: float | None = None,
+        num_videos_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
+        max_sequence_length: int = 512,
+        cache_engines: dict | None = None,
+    ) -> WanPipelineOutput | tuple:
+        """Generate a video chunk by chunk with the KV cache.
+
+        Args:
+            prompt / negative_prompt / prompt_embeds / negative_prompt_embeds / max_sequence_length /
+            num_videos_per_prompt: the text conditioning, as in ``WanPipeline``; CFG runs when the guidance scale
+                is above 1, through the cache tags ``"pos"`` and ``"neg"``.
+            image / image_embeds: Wan2.1 I2V (a transformer with ``image_dim``): the first frame, as in
+                ``WanImageToVideoPipeline`` (the condition latents are sliced per chunk).
+            video / mask / conditioning_scale: VACE control, as in ``WanVACEPipeline``; ``reference_images`` are
+                refused (they would have to be prefilled before frame 0).
+            height / width: multiples of 16. num_frames: video frames; a count that is not ``4k + 1`` is rounded
+                down to one, as the stock pipelines do (default: the config's).
+            chunk_frames / timesteps / shift / context_noise / context_noise_mode / guidance_scale: the causal
+                sampling (default: the config's; see :class:`~diffusers_causal_kv.CausalConfig`).
+            num_inference_steps: sample each chunk with ``self.scheduler`` in that many steps instead of the
+                few-step ``timesteps``.
+            generator / latents: the random generator; ``latents`` gives the initial noise of every latent frame
+                ``[batch, channels, frames, h, w]`` instead of drawing it per chunk.
+            output_type: ``"np"``, ``"pil"``, ``"pt"`` or ``"latent"``. return_dict: a ``WanPipelineOutput``, or a
+                tuple.
+            attention_kwargs: passed to every forward (``{"scale": s}``: the LoRA scale).
+            callback_on_step_end / callback_on_step_end_tensor_inputs: called after every denoising step of every
+                chunk as ``callback(pipe, step, timestep, callback_kwargs)``, with the global step index and, as
+                ``"latents"``, the current chunk's latents; returned ``"latents"`` replace them. Changed prompt
+                embeddings are refused (switch prompts between chunks with a stream).
+            cache_engines: the engine map of this call; default the transformer's ``kv_cache_engines``.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
+                                              context_noise=context_noise, context_noise_mode=context_noise_mode,
+                                              guidance_scale=guidance_scale)
+        chunk_frames = settings.chunk_frames if chunk_frames is None else chunk_frames
+        check_context_noise(settings.context_noise, settings.context_noise_mode)
+        self._check_call(height, width, output_type, callback_on_step_end_tensor_inputs, reference_images, generator)
+        num_frames = self._video_frames(settings.num_frames)
+        self.install_processors()
+        transformer, device = self.transformer, self._execution_device
+        kind = topology(transformer)
+
+        self._guidance_scale = settings.guidance_scale
+        self._attention_kwargs, self._current_timestep, self._interrupt = attention_kwargs, None, False
+        if prompt_embeds is None and prompt is None:
+            raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=self.do_classifier_free_guidance,
+            num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device)
+        dtype = transformer.dtype
+        prompt_embeds = prompt_embeds.to(dtype)
+        negative_prompt_embeds = None if negative_prompt_embeds is None else negative_prompt_embeds.to(dtype)
+        batch = prompt_embeds.shape[0]
+        shape = (batch, self.vae.config.z_dim, (num_frames - 1) // self.vae_scale_factor_temporal + 1,
+                 height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
+        per_frame = self._per_frame_inputs(kind, image, image_embeds, video, mask, conditioning_scale, shape, num_frames,
+                                           height, width, generator, device, dtype)
+        if latents is not None and tuple(latents.shape) != shape:
+            raise ValueError(f"latents have shape {tuple(latents.shape)} but this call needs {shape} (batch, "
+                             "channels, latent frames, height / 8, width / 8).")
+
+        planner = RolloutPlanner(
+            transformer, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            guidance_scale=settings.guidance_scale if self.do_classifier_free_guidance else 1.0,
+            cache_engines=cache_engines, generator=generator, attention_kwargs=attention_kwargs, **per_frame)
+        template = torch.zeros(shape, device=device) if latents is None else latents.to(device, torch.float32)
+        chunks = planner.plan(template, chunk_frames)
+        scheduler = self.scheduler if num_inference_steps else None
+        sigmas = None if scheduler else shifted_sigmas(settings.timesteps, settings.shift).tolist()
+        if scheduler is not None:
+            scheduler.set_timesteps(num_inference_steps, device=device)
+        steps = len(scheduler.timesteps) if scheduler is not None else len(sigmas)
+        planner.check(template, chunks)
+        planner.clear()
+        self._num_timesteps = steps * len(chunks)
+
+        def noise_for(chunk: Chunk) -> torch.Tensor:
+            if latents is not None:
+                return template[:, :, chunk.offset:chunk.offset + chunk.size]
+            return randn_tensor((*shape[:2], chunk.size, *shape[3:]), generator=generator, device=device,
+                                dtype=torch.float32)
+
+        outputs = []
+        with self.progress_bar(total=self._num_timesteps) as progress_bar:
+            def on_step(chunk: Chunk, step: int, t: float, x: torch.Tensor) -> torch.Tensor:
+                self._current_timestep = t
+                if callback_on_step_end is not None:
+                    x = self._run_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
+                                           len(outputs) * steps + step, t, x, prompt_embeds, negative_prompt_embeds)
+                progress_bar.update()
+                return x
+
+            for _, x, _ in rollout_chunks(planner, chunks, noise_for, sigmas=sigmas, scheduler=scheduler,
+                                          num_inference_steps=num_inference_steps,
+                                          context_noise=settings.context_noise,
+                                          context_noise_mode=settings.context_noise_mode, on_step=on_step):
+                outputs.append(x)
+                if self.interrupt:
+                    break
+        self._current_timestep = None
+        result = torch.cat(outputs, dim=2)
+        video_out = result if output_type == "latent" else self._decode(result, output_type)
+        self.maybe_free_model_hooks()
+        return WanPipelineOutput(frames=video_out) if return_dict else (video_out,)
+
+    # ------------------------------------------------------------------------------------------------ parts
+    def _check_call(self, height, width, output_type, tensor_inputs, reference_images, generator) -> None:
+        if self.transformer_2 is not None or self.config.boundary_ratio is not None or self.config.expand_timesteps:
+            raise NotImplementedError(
+                "CausalWanPipeline does not run Wan2.2 settings yet (transformer_2, boundary_ratio, "
+                "expand_timesteps); build it from a single-expert Wan2.1-style pipeline."
+            )
+        if height % 16 or width % 16:
+            raise ValueError(f"height and width must be multiples of 16, got {height} x {width}.")
+        if output_type not in ("np", "pil", "pt", "latent"):
+            raise ValueError(f"output_type must be 'np', 'pil', 'pt' or 'latent', got {output_type!r}.")
+        unknown = [k for k in tensor_inputs if k not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(f"callback_on_step_end_tensor_inputs {unknown} are not among the callback tensors "
+                             f"{self._callback_tensor_inputs}.")
+        if reference_images is not None:
+            raise ValueError("reference_images are not supported by the causal VACE path yet; drop them (or "
+                             "prefill their latents as clean frames with prefill() before a causal_rollout).")
+        if isinstance(generator, list):
+            raise ValueError("a list of generators is not supported by the causal pipeline (its noise is drawn per "
+                             "chunk); pass one torch.Generator.")
+
+    def _video_frames(self, num_frames: int) -> int:
+        """``num_frames`` rounded down to ``4k + 1`` with a warning, as the stock Wan pipelines do."""
+        scale = self.vae_scale_factor_temporal
+        if num_frames % scale != 1:
+            logger.warning(f"`num_frames - 1` has to be divisible by {scale}. Rounding to the nearest number.")
+            num_frames = num_frames // scale * scale + 1
+        return max(num_frames, 1)
+
+    def _per_frame_inputs(self, kind, image, image_embeds, video, mask, conditioning_scale, shape, num_frames,
+                          height, width, generator, device, dtype) -> dict:
+        """The planner's I2V or VACE inputs, prepared by the stock pipelines' own methods."""
+        batch = shape[0]
+        if kind.is_vace:
+            layers = len(self.transformer.config.vace_layers)
+            scale = torch.as_tensor(conditioning_scale, dtype=torch.float32).reshape(-1).expand(layers)
+            video, mask, refs = self.preprocess_conditions(video, mask, None, batch, height, width, num_frames,
+                                                           torch.float32, device)
+            control = torch.cat([self.prepare_video_latents(video, mask, refs, generator, device),
+                                 self.prepare_masks(mask, refs, generator)], dim=1)
+            return {"control_latents": control.to(dtype), "control_scale": scale.to(device, dtype)}
+        if kind.is_i2v or image is not None:
+            if image is None:
+                raise ValueError("this transformer is a Wan2.1 I2V model: pass image (the first frame).")
+            if not kind.is_i2v:
+                raise ValueError("image was given but the transformer is not an I2V model; drop it.")
+            if image_embeds is None:
+                image_embeds = self.encode_image(image, device)
+            image_embeds = image_embeds.repeat(batch // image_embeds.shape[0], 1, 1).to(dtype)
+            pixels = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
+            # The stock preparation also returns noise; only the condition is used (the noise is drawn per chunk).
+            _, condition = self._prepare_i2v_latents(pixels, batch, shape[1], height, width, num_frames,
+                                                     torch.float32, device, generator, torch.zeros(shape))
+            return {"condition_latents": condition.to(dtype), "image_embeds": image_embeds}
+        return {}
+
+    def _run_callback(self, callback, tensor_inputs, step, t, latents, prompt_embeds, negative_prompt_embeds):
+        """Call ``callback_on_step_end``; returns the chunk latents it gives back."""
+        given = {"latents": latents, "prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+        outputs = callback(self, step, t, {k: given[k] for k in tensor_inputs}) or {}
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            new = outputs.get(name, given[name])
+            if new is not given[name] and (new is None or not torch.equal(new, given[name])):
+                raise ValueError(
+                    f"callback_on_step_end changed {name} in the middle of a chunk; the cache of the earlier chunks "
+                    "holds the old conditioning. Switch prompts between chunks with a stream (recache / "
+                    "StreamingRollout.switch_prompt) instead."
+                )
+        return outputs.get("latents", latents)
+
+    def _decode(self, latents: torch.Tensor, output_type: str):
+        """Decode latents as the stock Wan pipelines do (un-normalise with the VAE's statistics, decode,
+        post-process)."""
+        vae = self.vae
+        latents = latents.to(device=get_module_execution_device(vae), dtype=vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                             latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device,
+                                                                                                  latents.dtype)
+        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        return self.video_processor.postprocess_video(video, output_type=output_type)
