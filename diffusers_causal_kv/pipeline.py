@@ -145,6 +145,16 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
     def attention_kwargs(self) -> dict | None:
         return self._attention_kwargs
 
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """Latent frames per chunk of the last call, in order."""
+        return self._chunk_sizes
+
+    @property
+    def chunk_seconds(self) -> list[float]:
+        """Wall-clock seconds per chunk of the last call (denoising and commit, without text encoding or decoding)."""
+        return self._chunk_seconds
+
     def install_processors(self) -> None:
         """Install ``CausalWanAttnProcessor`` on the transformer unless it has it: with a
         :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch when ``causal_config.window_frames`` is set
@@ -274,7 +284,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             return randn_tensor((*shape[:2], chunk.size, *shape[3:]), generator=generator, device=device,
                                 dtype=torch.float32)
 
-        outputs = []
+        outputs, self._chunk_sizes, self._chunk_seconds = [], [], []
         with self.progress_bar(total=self._num_timesteps) as progress_bar:
             def on_step(chunk: Chunk, step: int, t: float, x: torch.Tensor) -> torch.Tensor:
                 self._current_timestep = t
@@ -284,11 +294,13 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 progress_bar.update()
                 return x
 
-            for _, x, _ in rollout_chunks(planner, chunks, noise_for, sigmas=sigmas, scheduler=scheduler,
-                                          num_inference_steps=num_inference_steps,
-                                          context_noise=settings.context_noise,
-                                          context_noise_mode=settings.context_noise_mode, on_step=on_step):
+            for chunk, x, seconds in rollout_chunks(planner, chunks, noise_for, sigmas=sigmas, scheduler=scheduler,
+                                                    num_inference_steps=num_inference_steps,
+                                                    context_noise=settings.context_noise,
+                                                    context_noise_mode=settings.context_noise_mode, on_step=on_step):
                 outputs.append(x)
+                self._chunk_sizes.append(chunk.size)
+                self._chunk_seconds.append(seconds)
                 if self.interrupt:
                     break
         self._current_timestep = None

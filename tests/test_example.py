@@ -87,3 +87,30 @@ def test_an_unloadable_model_id_exits_non_zero_without_a_traceback(tmp_path):
     assert run.returncode == 1
     assert "Traceback" not in run.stderr and "FutureWarning" not in run.stderr  # no torch_dtype deprecation
     assert run.stderr.strip().splitlines()[-1].startswith("error: could not load --model-id")
+
+
+def test_example_runs_a_causal_checkpoint_folder_with_base_components(tmp_path, capsys):
+    """``--checkpoint`` (a converted transformer folder with its causal_config.json) plus ``--model-id`` (a local
+    stock WanPipeline folder for the text encoder, tokenizer and VAE)."""
+    from diffusers import WanPipeline
+
+    from diffusers_causal_kv import CausalConfig
+    from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
+
+    WanPipeline(**tiny_pipeline_components()).save_pretrained(tmp_path / "base")
+    causal = tiny_wan(seed=7)
+    causal.save_pretrained(tmp_path / "causal")
+    CausalConfig(chunk_frames=2, timesteps=(1000, 500), num_frames=13).save(tmp_path / "causal")
+    output = tmp_path / "out.mp4"
+    _load().main(["--checkpoint", str(tmp_path / "causal"), "--model-id", str(tmp_path / "base"),
+                  "--output", str(output), "--height", "32", "--width", "32"])
+    assert iio.imread(output).shape == (13, 32, 32, 3)
+    printed = capsys.readouterr().out
+    assert "chunks (latent frames): [2, 2]" in printed and "random weights" not in printed
+    assert "chunk 1: 2 frames" in printed
+
+
+def test_example_refuses_a_checkpoint_without_base_components(tmp_path):
+    with pytest.raises(SystemExit) as exited:
+        _load().main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "out.mp4")])
+    assert "pass --model-id for the base Wan components" in str(exited.value.code)
