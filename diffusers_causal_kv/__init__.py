@@ -47,11 +47,13 @@ from .kv_cache import (
 )
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
+from .modular import causal_wan_blocks, causal_wan_i2v_blocks
 from .pipeline import CausalWanPipeline
 from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
-from .streaming import StreamingRollout, prefill, recache
+from .streaming import StreamingRollout, prefill, recache, reset_conditioning
+from .streaming_vae import StreamingVAEDecoder, StreamingVAEEncoder
 
 __all__ = [
     "BaseKVCacheEngine",
@@ -66,14 +68,19 @@ __all__ = [
     "RolloutPlanner",
     "StaticKVCacheEngine",
     "StreamingRollout",
+    "StreamingVAEDecoder",
+    "StreamingVAEEncoder",
     "VanillaKVCacheEngine",
     "block_causal_mask",
+    "causal_wan_blocks",
+    "causal_wan_i2v_blocks",
     "causal_rollout",
     "chunk_schedule",
     "clear_caches",
     "get_current_context",
     "prefill",
     "recache",
+    "reset_conditioning",
     "self_forcing_rollout",
     "teacher_forcing_mask",
     "uninstall_causal_kv",

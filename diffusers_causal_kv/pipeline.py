@@ -29,6 +29,7 @@ from diffusers import (
 )
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.loaders import WanLoraLoaderMixin
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
@@ -46,6 +47,31 @@ from .processors import CausalWanAttnProcessor
 from .rollout import rollout_chunks, shifted_sigmas
 
 logger = logging.get_logger(__name__)
+
+
+def install_causal_processors(transformer: torch.nn.Module) -> None:
+    """Install ``CausalWanAttnProcessor`` over the stock ``WanAttnProcessor`` of every attention module, keeping each
+    module's attention backend (``set_attention_backend``'s choice). Outside a ``CausalContext`` it computes what
+    the stock processor computes, so other pipelines sharing the transformer see no change. A transformer that has
+    the causal processors is left as it is; processors of another kind are refused rather than overwritten."""
+    modules = topology(transformer).attention()
+    if _has_causal_processors(transformer):
+        return  # installed (a partial installation is refused with the model layer's own error)
+    foreign = sorted({type(a.processor).__name__ for a in modules if type(a.processor) is not WanAttnProcessor})
+    if foreign:
+        raise TypeError(
+            f"the transformer's attention modules run {', '.join(foreign)}; the causal pipelines install "
+            "CausalWanAttnProcessor only over the stock WanAttnProcessor, so as not to drop yours. Call "
+            "transformer.set_attn_processor(CausalWanAttnProcessor()) yourself to replace them."
+        )
+    for attn in modules:
+        causal = CausalWanAttnProcessor()
+        causal._attention_backend = attn.processor._attention_backend
+        attn.set_processor(causal)
+
+
+def _has_causal_processors(transformer: torch.nn.Module) -> bool:
+    return any(isinstance(attn.processor, CausalWanAttnProcessor) for attn in topology(transformer).attention())
 
 
 class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
@@ -156,17 +182,15 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         return self._chunk_seconds
 
     def install_processors(self) -> None:
-        """Install ``CausalWanAttnProcessor`` on the transformer unless it has it: with a
-        :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch when ``causal_config.window_frames`` is set
-        (and no engines were set), else the default engines."""
-        transformer = self.transformer
-        if any(isinstance(p, CausalWanAttnProcessor) for p in transformer.attn_processors.values()):
-            return
-        window = self.causal_config.window_frames
-        if window is not None and getattr(transformer, "kv_cache_engines", None) is None:
+        """:func:`install_causal_processors` on the transformer, with a
+        :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch when ``causal_config.window_frames`` is set and
+        no engines were set."""
+        window, transformer = self.causal_config.window_frames, self.transformer
+        if (window is not None and getattr(transformer, "kv_cache_engines", None) is None
+                and not _has_causal_processors(transformer)):
             transformer.kv_cache_engines = {branch: RollingKVCacheEngine(window, self.causal_config.sink_frames)
                                             for branch in topology(transformer).branches}
-        transformer.set_attn_processor(CausalWanAttnProcessor())
+        install_causal_processors(transformer)
 
     # ------------------------------------------------------------------------------------------------ call
     @torch.no_grad()
@@ -248,7 +272,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         if prompt_embeds is None and prompt is None:
             raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
-            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=self.do_classifier_free_guidance,
+            prompt=prompt, negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance,
             num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device)
         dtype = transformer.dtype
@@ -257,8 +282,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         batch = prompt_embeds.shape[0]
         shape = (batch, self.vae.config.z_dim, (num_frames - 1) // self.vae_scale_factor_temporal + 1,
                  height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
-        per_frame = self._per_frame_inputs(kind, image, image_embeds, video, mask, conditioning_scale, shape, num_frames,
-                                           height, width, generator, device, dtype)
+        per_frame = self._per_frame_inputs(kind, image, image_embeds, video, mask, conditioning_scale, shape,
+                                           num_frames, height, width, generator, device, dtype)
         if latents is not None and tuple(latents.shape) != shape:
             raise ValueError(f"latents have shape {tuple(latents.shape)} but this call needs {shape} (batch, "
                              "channels, latent frames, height / 8, width / 8).")

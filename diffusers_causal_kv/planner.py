@@ -168,11 +168,13 @@ class RolloutPlanner:
 
     def flow(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
         """The (guided) flow prediction for a chunk at timestep ``t``."""
+        # In the latents' dtype: a flow-matching scheduler casts its step to the flow's dtype, and the latents of a
+        # bf16 transformer stay in fp32 as in the stock pipelines.
         cond = self.forward(x, t, chunk, self.cache_tag)
         if not self.use_cfg:
-            return cond
+            return cond.to(x.dtype)
         uncond = self.forward(x, t, chunk, "neg")
-        return uncond + self.guidance_scale * (cond - uncond)
+        return (uncond + self.guidance_scale * (cond - uncond)).to(x.dtype)
 
     def predict_x0(self, x: torch.Tensor, sigma: float, chunk: Chunk) -> torch.Tensor:
         """The clean chunk the (guided) flow predicts from ``x`` at noise level ``sigma``."""

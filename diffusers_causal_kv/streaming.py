@@ -152,6 +152,24 @@ def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_fram
     return scratch
 
 
+def reset_conditioning(model, cache_tag: str = "pos", cache_engines: dict | None = None) -> None:
+    """Switch ``cache_tag`` to new conditioning without re-caching its frames: every engine of the transformer
+    drops the tag's cross-attention entries and conditioning fingerprint and keeps its self K/V
+    (:meth:`~diffusers_causal_kv.BaseKVCacheEngine.reset_conditioning`). The next chunk is denoised under whatever
+    prompt it brings, attending to frames cached under the old one, and its commit stores the new cross entries.
+    Cheaper than :func:`recache` (no forward), and what a prompt switch that keeps the recent frames' K/V does;
+    every engine is checked before any is changed."""
+    engines = resolve_engines(resolve_transformer(model), cache_engines)
+    missing = [branch for branch, engine in engines.items() if cache_tag not in engine.tags()]
+    if not engines or missing:
+        raise ValueError(
+            f"reset_conditioning: cache tag {cache_tag!r} is not filled on branches {missing or ['main']}; a tag "
+            "that holds no frames takes any conditioning already."
+        )
+    for engine in engines.values():
+        engine.reset_conditioning(cache_tag)
+
+
 def recache_schedule(num_frames: int, chunk_frames: int) -> list[int]:
     """Chunks of at most ``chunk_frames`` frames over ``num_frames``, the remainder first (7 in chunks of 3:
     ``[1, 3, 3]``): unlike :func:`~diffusers_causal_kv.chunk_schedule`, no chunk outgrows ``chunk_frames``, which
@@ -265,12 +283,27 @@ class StreamingRollout:
         return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
                              chunk_seconds=seconds)
 
-    def switch_prompt(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None) -> None:
-        """Use new conditioning from the next chunk on, re-caching the window under it (:func:`recache`): the
-        ``"pos"`` tag, and the ``"neg"`` tag too when CFG runs and a new negative prompt is given."""
+    def switch_prompt(self, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,
+                      mode: str = "recache") -> None:
+        """Use new conditioning from the next chunk on: the ``"pos"`` tag, and the ``"neg"`` tag too when CFG runs
+        and a new negative prompt is given.
+
+        ``mode="recache"`` (LongLive) re-caches the window under the new prompt (:func:`recache`), so the next
+        chunks attend to frames whose K/V were computed under it; ``mode="cross"`` only swaps the cross-attention
+        entries (:func:`reset_conditioning`): the cached frames keep the K/V of the old prompt (no forward at
+        all)."""
+        if mode not in ("recache", "cross"):
+            raise ValueError(f"switch_prompt mode must be 'recache' or 'cross', got {mode!r}.")
         new = {"pos": prompt_embeds}
         if negative_prompt_embeds is not None and "neg" in self.prompts:
             new["neg"] = negative_prompt_embeds
+        if mode == "cross":
+            for tag, prompt in new.items():
+                for engine in self._planner.engines.values():
+                    if tag in engine.tags():  # an unfilled tag takes any conditioning already
+                        engine.reset_conditioning(tag)
+                self.prompts[tag] = prompt
+            return
         engines = self._planner.engines
         # Every tag is re-cached before any is swapped in, so a failure (say, a malformed negative prompt) leaves the
         # rollout on its old prompts.

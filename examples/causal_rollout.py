@@ -116,9 +116,10 @@ def main(argv=None) -> str:
     pipe = load_pipeline(args, device).to(device)
 
     began = time.perf_counter()
+    generator = torch.Generator(device).manual_seed(args.seed)
     frames = pipe(prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                   num_frames=args.num_frames, chunk_frames=args.chunk_frames, timesteps=args.timesteps,
-                  guidance_scale=args.guidance_scale, generator=torch.Generator(device).manual_seed(args.seed)).frames[0]
+                  guidance_scale=args.guidance_scale, generator=generator).frames[0]
     seconds = time.perf_counter() - began
     export_to_video(list(frames), args.output, fps=args.fps)
 

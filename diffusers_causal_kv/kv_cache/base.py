@@ -328,6 +328,19 @@ class BaseKVCacheEngine:
                                                                entry.value_img)))
             self._tags[tag].conditioning = info.conditioning
 
+    def reset_conditioning(self, cache_tag: str) -> None:
+        """Let a filled tag continue under new conditioning: drop its cross entries and conditioning fingerprint and
+        keep its self K/V, so the next passes compute the cross K/V of whatever conditioning they bring and the next
+        commit stores them (a prompt switch that re-encodes the prompt only, without re-caching the frames)."""
+        if cache_tag not in self._tags:
+            raise ValueError(
+                f"reset_conditioning({cache_tag!r}): the engine holds no such tag (tags: {self.tags()}); a tag "
+                "that was never filled takes any conditioning already."
+            )
+        for entries in self._cross_kv.values():
+            entries.pop(cache_tag, None)
+        self._tags[cache_tag].conditioning = None
+
     # ------------------------------------------------------------------ going back
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
         """Keep the first ``num_frames`` committed frames of ``cache_tag`` (every tag when ``None``); a negative

@@ -1,0 +1,360 @@
+"""Causal denoise blocks for diffusers' Modular Pipelines (Wan2.1 T2V and I2V).
+
+The stock ``WanBlocks`` and ``WanImage2VideoAutoBlocks`` denoise the whole video at once: their core denoise step
+(``sub_blocks["denoise"]``) sets the scheduler's timesteps once, prepares the latents of every frame and loops over
+the timesteps with every frame in each forward. The causal core steps here replace that whole core step. They keep
+the stock input steps (prompt batching, I2V condition latents) and the stock ``WanPrepareLatentsStep`` (the noise of
+every frame), drop ``WanSetTimestepsStep``, and replace the timestep loop by one block that loops over chunks of
+latent frames, runs every denoising step of a chunk against the KV cache of the chunks before it, then commits the
+clean chunk to the cache. The stock inner loop (``WanDenoiseLoopWrapper``) cannot be kept: its denoiser runs the
+guider's conditional and unconditional batches back to back in one loop step, with no seam to give each its own cache
+tag, and the scheduler must be reset for every chunk rather than set once for the video.
+
+The guider's batches map to the cache tags of classifier-free guidance: ``"pred_cond"`` runs on tag ``"pos"`` with
+``prompt_embeds``, ``"pred_uncond"`` on tag ``"neg"`` with ``negative_prompt_embeds``; the guider combines their flows
+as it does in the stock loop, and its step counter restarts with every chunk (each chunk is a whole denoising
+trajectory, so ``start``/``stop`` windows apply per chunk). Every chunk is committed on every tag the guider uses at
+any step, so the ``"neg"`` cache stays continuous even where a window skips guidance. Guiders with other batches, or
+that change the model for a batch (perturbed-attention, skip-layer, smoothed-energy, auto guidance), are refused: a
+perturbed forward would attend to a prefix cached without the perturbation.
+
+The forwards, chunk schedule, pre-flight checks and commits are :class:`~diffusers_causal_kv.RolloutPlanner`'s and the
+chunk loop is :func:`~diffusers_causal_kv.rollout.rollout_chunks`, as in :func:`~diffusers_causal_kv.causal_rollout`,
+so the blocks give the rollout's latents exactly (random numbers are drawn in the same order).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.guiders import BaseGuidance, ClassifierFreeGuidance
+from diffusers.models import WanTransformer3DModel
+from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState, SequentialPipelineBlocks
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.wan.before_denoise import (
+    WanAdditionalInputsStep,
+    WanPrepareLatentsStep,
+    WanTextInputStep,
+)
+from diffusers.modular_pipelines.wan.modular_blocks_wan import WanBlocks, WanCoreDenoiseStep
+from diffusers.modular_pipelines.wan.modular_blocks_wan_i2v import (
+    WanImage2VideoAutoBlocks,
+    WanImage2VideoCoreDenoiseStep,
+)
+from diffusers.schedulers import UniPCMultistepScheduler
+
+from .model import topology
+from .pipeline import install_causal_processors
+from .planner import Chunk, RolloutPlanner, check_context_noise
+from .rollout import rollout_chunks, shifted_sigmas
+
+__all__ = [
+    "GUIDER_CACHE_TAGS",
+    "CausalWanCoreDenoiseStep",
+    "CausalWanDenoiseStep",
+    "CausalWanImage2VideoCoreDenoiseStep",
+    "CausalWanImage2VideoDenoiseStep",
+    "causal_wan_blocks",
+    "causal_wan_i2v_blocks",
+]
+
+GUIDER_CACHE_TAGS = {"pred_cond": "pos", "pred_uncond": "neg"}
+"""The cache tag each guider batch runs on, by the batch's ``__guidance_identifier__``."""
+
+DEFAULT_TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)
+
+
+class _GuidedPlanner(RolloutPlanner):
+    """A :class:`RolloutPlanner` whose flow is the guider's combination of one forward per guider batch, each on the
+    batch's cache tag. Local adapter until the planner takes its tags and its guidance from the caller."""
+
+    def __init__(self, transformer, prompts: dict[str, torch.Tensor], guider, guider_state, guider_fields: dict,
+                 num_steps: int, **kwargs) -> None:
+        super().__init__(transformer, prompts["pos"], **kwargs)
+        self.prompts = prompts  # the tags the guider uses, not the planner's own guidance_scale rule
+        self.guider, self.guider_state, self.guider_fields = guider, guider_state, guider_fields
+        self.num_steps = num_steps
+        self._chunk, self._step = None, 0
+
+    def flow(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
+        if chunk != self._chunk:  # every chunk is a whole trajectory: the guider's steps restart
+            self._chunk, self._step = chunk, 0
+        batches = _guider_batches(self.guider, self.guider_state, self.guider_fields, self._step, self.num_steps, t)
+        self._step += 1
+        for batch in batches:
+            self.guider.prepare_models(self.transformer)
+            batch.noise_pred = self.forward(x, t, chunk, GUIDER_CACHE_TAGS[batch.__guidance_identifier__])
+            self.guider.cleanup_models(self.transformer)
+        # In the latents' dtype, as the stock loop's noise_pred.float(): a flow-matching scheduler step casts its
+        # result to the flow's dtype.
+        return self.guider(batches)[0].to(x.dtype)
+
+
+def _guider_batches(guider, state, fields: dict, step: int, num_steps: int, t) -> list:
+    guider.set_state(step=step, num_inference_steps=num_steps, timestep=t)
+    return guider.prepare_inputs_from_block_state(state, fields)
+
+
+class CausalWanDenoiseStep(ModularPipelineBlocks):
+    """Causal, chunk-by-chunk denoising of Wan2.1 T2V latents with the KV cache (replaces the stock
+    ``WanSetTimestepsStep`` and ``WanDenoiseStep``).
+
+    For each chunk of ``chunk_frames`` latent frames: denoise it against the cached chunks before it, either
+    few-step (``timesteps`` and ``shift``, Self-Forcing style; the default) or with the pipeline's ``scheduler`` reset
+    for the chunk (``num_inference_steps`` per chunk); then commit the clean chunk with the timestep label
+    ``context_noise`` (re-noised to it with ``context_noise_mode="renoise"``) on every cache tag. The transformer
+    gets ``CausalWanAttnProcessor`` installed if it runs the stock processors.
+    """
+
+    model_name = "wan"
+    _guider_fields = {"encoder_hidden_states": ("prompt_embeds", "negative_prompt_embeds")}
+
+    @property
+    def description(self) -> str:
+        return ("Causal denoise step: denoises the latents chunk by chunk of latent frames against the KV cache of "
+                "the chunks before, committing each clean chunk (diffusers_causal_kv).")
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [
+            ComponentSpec("guider", ClassifierFreeGuidance, config=FrozenDict({"guidance_scale": 5.0}),
+                          default_creation_method="from_config"),
+            ComponentSpec("transformer", WanTransformer3DModel),
+            ComponentSpec("scheduler", UniPCMultistepScheduler),
+        ]
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam("latents", required=True, type_hint=torch.Tensor,
+                       description="The noise of every latent frame. Can be generated in prepare_latents step."),
+            InputParam("prompt_embeds", required=True, type_hint=torch.Tensor,
+                       description="Text embeddings of the cache tag 'pos'."),
+            InputParam("negative_prompt_embeds", type_hint=torch.Tensor,
+                       description="Text embeddings of the cache tag 'neg', for the guider's unconditional batch."),
+            InputParam("attention_kwargs"),
+            InputParam("chunk_frames", default=3, type_hint=int | list[int],
+                       description="Latent frames per chunk (the first chunk absorbs a remainder), or a list of "
+                                   "chunk sizes adding up to the latent frames."),
+            InputParam("timesteps", type_hint=list[float],
+                       description=f"Few-step timesteps per chunk, in (0, 1000]; default {list(DEFAULT_TIMESTEPS)}. "
+                                   "Not with num_inference_steps."),
+            InputParam("shift", default=5.0, type_hint=float,
+                       description="Timestep shift of the few-step timesteps (Self-Forcing's warp)."),
+            InputParam("num_inference_steps", type_hint=int,
+                       description="Steps per chunk with the pipeline's scheduler instead of few-step sampling."),
+            InputParam("context_noise", default=0.0, type_hint=float,
+                       description="Timestep label (0..1000) of the commit pass of each clean chunk."),
+            InputParam("context_noise_mode", default="label", type_hint=str,
+                       description="'label' commits the clean chunk with that label; 'renoise' first noises it to "
+                                   "that level (the same at context_noise=0)."),
+            InputParam("cache_engines", type_hint=dict,
+                       description="Engine map of this rollout (one per user session); default "
+                                   "transformer.kv_cache_engines."),
+            InputParam("generator", description="Random generator of the re-noising between few-step steps."),
+        ]
+
+    @property
+    def intermediate_outputs(self) -> list[OutputParam]:
+        return [OutputParam("latents", type_hint=torch.Tensor, description="Denoised latents.")]
+
+    def per_frame_inputs(self, block_state) -> dict:
+        """The planner's per-frame and image inputs (none for T2V)."""
+        return {}
+
+    @torch.no_grad()
+    def __call__(self, components, state: PipelineState) -> tuple:
+        block_state = self.get_block_state(state)
+        scheduler, sigmas, step_timesteps = _sampling(components, block_state, block_state.latents.device)
+        prompts = _guided_prompts(components.guider, block_state, self._guider_fields, step_timesteps)
+        check_context_noise(block_state.context_noise, block_state.context_noise_mode)
+        transformer = _causal_transformer(components)
+        planner = _GuidedPlanner(
+            transformer, prompts, components.guider, block_state, self._guider_fields, len(step_timesteps),
+            attention_kwargs=block_state.attention_kwargs, cache_engines=block_state.cache_engines,
+            generator=block_state.generator, **self.per_frame_inputs(block_state),
+        )
+        latents = block_state.latents
+        chunks = planner.plan(latents, block_state.chunk_frames)
+        planner.check(latents, chunks)
+        planner.clear()
+        loop = rollout_chunks(planner, chunks, lambda c: latents[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
+                              scheduler=scheduler, num_inference_steps=block_state.num_inference_steps,
+                              context_noise=block_state.context_noise,
+                              context_noise_mode=block_state.context_noise_mode)
+        outputs = [x for _, x, _ in loop]
+        block_state.latents = torch.cat(outputs, dim=2)
+        self.set_block_state(state, block_state)
+        return components, state
+
+
+class CausalWanImage2VideoDenoiseStep(CausalWanDenoiseStep):
+    """:class:`CausalWanDenoiseStep` for Wan2.1 I2V: each chunk's latents are concatenated with the chunk's frames of
+    ``image_condition_latents`` (mask and first-frame latents) and every forward gets ``image_embeds``."""
+
+    model_name = "wan-i2v"
+    _guider_fields = {**CausalWanDenoiseStep._guider_fields, "encoder_hidden_states_image": "image_embeds"}
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            *super().inputs,
+            InputParam("image_condition_latents", required=True, type_hint=torch.Tensor,
+                       description="Mask and image latents of every frame, [batch, 20, frames, height, width]. Can "
+                                   "be generated in the vae_encoder step."),
+            InputParam("image_embeds", required=True, type_hint=torch.Tensor,
+                       description="Image-encoder embeddings. Can be generated in the image_encoder step."),
+        ]
+
+    def per_frame_inputs(self, block_state) -> dict:
+        return {"condition_latents": block_state.image_condition_latents, "image_embeds": block_state.image_embeds}
+
+
+class CausalWanCoreDenoiseStep(SequentialPipelineBlocks):
+    """Causal replacement of ``WanCoreDenoiseStep`` (``WanBlocks.sub_blocks["denoise"]``): the stock input and
+    prepare-latents steps, then :class:`CausalWanDenoiseStep`."""
+
+    model_name = "wan"
+    block_classes = [WanTextInputStep, WanPrepareLatentsStep, CausalWanDenoiseStep]
+    block_names = ["input", "prepare_latents", "denoise"]
+
+    @property
+    def description(self):
+        return "Causal denoise block: takes encoded conditions and denoises the video chunk by chunk with a KV cache."
+
+    @property
+    def outputs(self):
+        return [OutputParam.template("latents")]
+
+
+class CausalWanImage2VideoCoreDenoiseStep(SequentialPipelineBlocks):
+    """Causal replacement of ``WanImage2VideoCoreDenoiseStep`` (``WanImage2VideoAutoBlocks.sub_blocks["denoise"]``):
+    the stock input steps (text, image condition latents) and prepare-latents step, then
+    :class:`CausalWanImage2VideoDenoiseStep`."""
+
+    model_name = "wan-i2v"
+    block_classes = [
+        WanTextInputStep,
+        WanAdditionalInputsStep(image_latent_inputs=["image_condition_latents"]),
+        WanPrepareLatentsStep,
+        CausalWanImage2VideoDenoiseStep,
+    ]
+    block_names = ["input", "additional_inputs", "prepare_latents", "denoise"]
+
+    @property
+    def description(self):
+        return ("Causal denoise block: takes encoded text and image latent conditions and denoises the video chunk "
+                "by chunk with a KV cache.")
+
+
+_CAUSAL_CORE_STEPS = {
+    WanCoreDenoiseStep: CausalWanCoreDenoiseStep,
+    WanImage2VideoCoreDenoiseStep: CausalWanImage2VideoCoreDenoiseStep,
+}
+
+
+def causal_wan_blocks(blocks: SequentialPipelineBlocks | None = None) -> SequentialPipelineBlocks:
+    """A copy of a Wan2.1 block set whose core denoise step (``sub_blocks["denoise"]``) is causal.
+
+    Args:
+        blocks: ``WanBlocks()`` (the default) or ``WanImage2VideoAutoBlocks()``, or a block set of your own whose
+            ``"denoise"`` sub-block is the stock ``WanCoreDenoiseStep`` or ``WanImage2VideoCoreDenoiseStep``; it is
+            copied, not changed.
+
+    Returns:
+        The copy, with :class:`CausalWanCoreDenoiseStep` (or :class:`CausalWanImage2VideoCoreDenoiseStep`) as its
+        ``"denoise"`` sub-block; its other sub-blocks (text and image encoders, VAE decoder) are the stock ones.
+    """
+    blocks = WanBlocks() if blocks is None else copy.deepcopy(blocks)
+    core = blocks.sub_blocks.get("denoise")
+    causal = _CAUSAL_CORE_STEPS.get(type(core))
+    if causal is None:
+        names = {spec.name for spec in blocks.expected_components}
+        why = ("has a two-expert Wan2.2 denoise step (transformer + transformer_2)" if "transformer_2" in names
+               else "has VACE control" if "vace" in str(blocks.model_name)
+               else "has no 'denoise' sub-block" if core is None
+               else f"has the denoise step {type(core).__name__}")
+        raise NotImplementedError(
+            f"{type(blocks).__name__} {why}, which the causal denoise blocks do not cover yet; they replace the "
+            "Wan2.1 T2V and I2V core denoise steps (WanBlocks, WanImage2VideoAutoBlocks) only."
+        )
+    blocks.sub_blocks["denoise"] = causal()
+    return blocks
+
+
+def causal_wan_i2v_blocks() -> WanImage2VideoAutoBlocks:
+    """``WanImage2VideoAutoBlocks()`` (Wan2.1 I2V and FLF2V) with the causal core denoise step."""
+    return causal_wan_blocks(WanImage2VideoAutoBlocks())
+
+
+def _causal_transformer(components) -> torch.nn.Module:
+    """The pipeline's transformer, with ``CausalWanAttnProcessor`` installed over the stock processors (outside a
+    ``CausalContext`` it computes exactly what they compute, so other pipelines sharing the transformer see no
+    change); a transformer running processors of another kind is refused rather than overwritten."""
+    transformer = getattr(components, "transformer", None)
+    if transformer is None:
+        raise ValueError(
+            "the causal denoise step needs a transformer component; load one with "
+            "pipe.update_components(transformer=WanTransformer3DModel.from_pretrained(...)) or pipe.load_components()."
+        )
+    kind = topology(transformer)
+    if kind.is_vace:
+        raise NotImplementedError(
+            f"the pipeline's transformer is a {type(transformer).__name__} (VACE control), which the causal denoise "
+            "blocks do not cover yet; use causal_rollout(control_latents=...) for causal VACE."
+        )
+    install_causal_processors(transformer)
+    return transformer
+
+
+def _sampling(components, block_state, device) -> tuple:
+    """``(scheduler, sigmas, timesteps of one chunk's steps)``: the pipeline's scheduler with ``num_inference_steps``,
+    else few-step ``timesteps`` warped by ``shift``."""
+    steps = block_state.num_inference_steps
+    if steps is not None:
+        if block_state.timesteps is not None:
+            raise ValueError(
+                f"pass either timesteps (few-step sampling) or num_inference_steps (the scheduler's steps per chunk), "
+                f"not both; got timesteps={list(block_state.timesteps)} and num_inference_steps={steps}."
+            )
+        scheduler = getattr(components, "scheduler", None)
+        if scheduler is None:
+            raise ValueError(
+                f"num_inference_steps={steps} samples with the pipeline's scheduler, but it has no scheduler "
+                "component; pipe.update_components(scheduler=...), or drop num_inference_steps for few-step timesteps."
+            )
+        scheduler.set_timesteps(steps, device=device)
+        return scheduler, None, list(scheduler.timesteps)
+    sigmas = shifted_sigmas(DEFAULT_TIMESTEPS if block_state.timesteps is None else block_state.timesteps,
+                            block_state.shift).tolist()
+    return None, sigmas, [sigma * 1000 for sigma in sigmas]
+
+
+def _guided_prompts(guider, block_state, fields: dict, step_timesteps: Sequence) -> dict[str, torch.Tensor]:
+    """The conditioning of each cache tag the guider runs at any step of a chunk, checked before any work."""
+    identifiers = {batch.__guidance_identifier__
+                   for step, t in enumerate(step_timesteps)
+                   for batch in _guider_batches(guider, block_state, fields, step, len(step_timesteps), t)}
+    unknown = sorted(identifiers - set(GUIDER_CACHE_TAGS))
+    perturbs = type(guider).prepare_models is not BaseGuidance.prepare_models
+    if unknown or perturbs:
+        why = ("changes the model for some of its batches (prepare_models)" if perturbs
+               else f"runs the batches {unknown}")
+        raise NotImplementedError(
+            f"{type(guider).__name__} {why}, and the causal denoise step caches only a guider's plain conditional and "
+            "unconditional batches (cache tags 'pos' and 'neg'): a perturbed forward would attend to a prefix cached "
+            "without the perturbation. Use ClassifierFreeGuidance or another guider of those two batches."
+        )
+    prompts = {GUIDER_CACHE_TAGS["pred_cond"]: block_state.prompt_embeds}
+    if "pred_uncond" in identifiers:
+        if block_state.negative_prompt_embeds is None:
+            raise ValueError(
+                f"the guider ({type(guider).__name__}) runs classifier-free guidance but negative_prompt_embeds is "
+                "None; pass negative_prompt_embeds (or a negative_prompt through the text encoder step), or "
+                "pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0)) for distilled models."
+            )
+        prompts[GUIDER_CACHE_TAGS["pred_uncond"]] = block_state.negative_prompt_embeds
+    return prompts
