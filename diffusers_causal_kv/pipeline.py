@@ -16,8 +16,9 @@ draw (``context_noise_mode="renoise"`` with ``context_noise > 0`` only).
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from diffusers import (
@@ -41,10 +42,14 @@ from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT
 
 from .causal_config import CausalConfig
 from .kv_cache import RollingKVCacheEngine
+from .masks import chunk_schedule
 from .model import topology
+from .pipeline_stream import CausalWanStream, FrameFeed, causal_vace_mask, video_frames_of
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .processors import CausalWanAttnProcessor
 from .rollout import rollout_chunks, shifted_sigmas
+from .streaming import StreamingRollout
+from .streaming_vae import StreamingVAEEncoder
 
 logger = logging.get_logger(__name__)
 
@@ -188,7 +193,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         window, transformer = self.causal_config.window_frames, self.transformer
         if (window is not None and getattr(transformer, "kv_cache_engines", None) is None
                 and not _has_causal_processors(transformer)):
-            transformer.kv_cache_engines = {branch: RollingKVCacheEngine(window, self.causal_config.sink_frames)
+            config = self.causal_config
+            transformer.kv_cache_engines = {branch: RollingKVCacheEngine(window, config.sink_frames, config.positions)
                                             for branch in topology(transformer).branches}
         install_causal_processors(transformer)
 
@@ -271,14 +277,10 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         self._attention_kwargs, self._current_timestep, self._interrupt = attention_kwargs, None, False
         if prompt_embeds is None and prompt is None:
             raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
-        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
-            prompt=prompt, negative_prompt=negative_prompt,
-            do_classifier_free_guidance=self.do_classifier_free_guidance,
-            num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device)
+        prompt_embeds, negative_prompt_embeds = self._prompt_embeds(
+            prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, max_sequence_length, device,
+            num_videos_per_prompt)
         dtype = transformer.dtype
-        prompt_embeds = prompt_embeds.to(dtype)
-        negative_prompt_embeds = None if negative_prompt_embeds is None else negative_prompt_embeds.to(dtype)
         batch = prompt_embeds.shape[0]
         shape = (batch, self.vae.config.z_dim, (num_frames - 1) // self.vae_scale_factor_temporal + 1,
                  height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
@@ -334,6 +336,206 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         self.maybe_free_model_hooks()
         return WanPipelineOutput(frames=video_out) if return_dict else (video_out,)
 
+    # ------------------------------------------------------------------------------------------------ stream
+    @torch.no_grad()
+    def stream(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        image=None,
+        control_video: Iterable | None = None,
+        control_mask: Iterable | None = None,
+        conditioning_scale: float = 1.0,
+        video: Iterable | None = None,
+        strength: float = 1.0,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int | None = None,
+        chunk_frames: int | None = None,
+        timesteps: list[float] | None = None,
+        shift: float | None = None,
+        context_noise: float | None = None,
+        context_noise_mode: str | None = None,
+        guidance_scale: float | None = None,
+        generator: torch.Generator | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        attention_kwargs: dict | None = None,
+        max_sequence_length: int = 512,
+        cache_engines: dict | None = None,
+        window_frames: int | None = None,
+        sink_frames: int | None = None,
+        positions: str = "relative",
+        prompt_schedule: dict[int, str] | None = None,
+        prompt_switch: str = "recache",
+        resume: CausalWanStream | None = None,
+    ) -> CausalWanStream:
+        """Generate chunk by chunk and yield each chunk's frames as soon as it is decoded (:class:`StreamChunk`).
+
+        Args:
+            num_frames: video frames to generate (``4k + 1``, split into chunks as a pipeline call splits them;
+                with ``resume``, a multiple of 4 more); ``None`` streams until the stream is closed.
+            cache_engines: the stream's engine map; default a fresh
+                :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch, with ``window_frames`` /
+                ``sink_frames`` (default: the config's, else 21 and 0) and ``positions`` (``"relative"``: no length
+                limit; ``"absolute"`` stops at the model's ``rope_max_seq_len``).
+            image / image_embeds: Wan2.1 I2V: the first frame (its condition is encoded causally, chunk by chunk).
+            control_video / control_mask / conditioning_scale: VACE: iterables of frames (and masks), consumed
+                chunk by chunk; the mask is downsampled in time causally (:func:`causal_vace_mask`).
+            video / strength: video-to-video: an iterable of input frames, encoded chunk by chunk and noised to the
+                level of ``strength`` (the few-step timesteps at or below ``strength * 1000`` are run, from the
+                first of them); ``strength=1`` is text-to-video with the same noise.
+            prompt_schedule: ``{chunk_index: prompt}``: switch prompts before those chunks, by ``prompt_switch``
+                (``"recache"``: re-cache the window under the new prompt, LongLive; ``"cross"``: new
+                cross-attention entries only). :meth:`CausalWanStream.switch_prompt` does the same while it runs.
+            resume: a closed stream to continue (its cache, window, decoder and frame counters); the other inputs
+                must describe the same video.
+            Other arguments as in :meth:`__call__`.
+        """
+        settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
+                                              context_noise=context_noise, context_noise_mode=context_noise_mode,
+                                              guidance_scale=guidance_scale, window_frames=window_frames,
+                                              sink_frames=sink_frames)
+        chunk = settings.chunk_frames if chunk_frames is None else chunk_frames
+        check_context_noise(settings.context_noise, settings.context_noise_mode)
+        self._check_call(height, width, output_type, [], None, generator)
+        if resume is not None and not resume.closed:
+            raise ValueError("resume= takes a closed stream; close() it first (a running stream owns its cache).")
+        if not 0 < strength <= 1:
+            raise ValueError(f"strength must lie in (0, 1], got {strength!r}.")
+        used = [t for t in settings.timesteps if t <= strength * 1000] if video is not None else settings.timesteps
+        if not used:
+            raise ValueError(f"strength={strength} keeps none of the timesteps {list(settings.timesteps)}; raise it "
+                             f"to at least {min(settings.timesteps) / 1000}.")
+        self.install_processors()
+        device, transformer, kind = self._execution_device, self.transformer, topology(self.transformer)
+        self._guidance_scale = settings.guidance_scale
+
+        def encode(text, negative_text=None):
+            return self._prompt_embeds(text, negative_text, None, None, max_sequence_length, device)
+
+        if prompt_embeds is None and prompt is None:
+            raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
+        positive, negative = self._prompt_embeds(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds,
+                                                 max_sequence_length, device)
+        shape = (positive.shape[0], self.vae.config.z_dim, 0, height // self.vae_scale_factor_spatial,
+                 width // self.vae_scale_factor_spatial)
+        scale = self.vae_scale_factor_temporal
+        if num_frames is None:
+            sizes = itertools.repeat(chunk)
+        elif resume is None:
+            sizes = iter(chunk_schedule((self._video_frames(num_frames) - 1) // scale + 1, chunk))
+        else:  # after frame 0, every latent frame is 4 more video frames
+            if num_frames % scale or num_frames <= 0:
+                raise ValueError(f"a resumed stream continues in groups of {scale} video frames; num_frames must be a "
+                                 f"positive multiple of {scale}, got {num_frames}.")
+            sizes = iter(chunk_schedule(num_frames // scale, chunk))
+        inputs = self._stream_inputs(kind, image, image_embeds, control_video, control_mask, conditioning_scale,
+                                     video, used, settings.shift, height, width, device, shape[0])
+        if resume is not None:
+            rollout = resume.rollout
+            rollout.prompts["pos"] = positive
+        else:
+            engines = cache_engines or self._stream_engines(settings, chunk, positions)
+            rollout = StreamingRollout(
+                transformer, positive, negative_prompt_embeds=negative if self.do_classifier_free_guidance else None,
+                guidance_scale=settings.guidance_scale if self.do_classifier_free_guidance else 1.0,
+                chunk_frames=chunk, timesteps=used, shift=settings.shift, context_noise=settings.context_noise,
+                context_noise_mode=settings.context_noise_mode, cache_engines=engines, generator=generator,
+                image_embeds=inputs.pop("image_embeds", None), control_scale=inputs.pop("control_scale", None),
+                attention_kwargs=attention_kwargs)
+        made = CausalWanStream(self, rollout, shape=shape, sizes=sizes, generator=generator, encode_prompt=encode,
+                               prompt_schedule=prompt_schedule, switch_mode=prompt_switch, output_type=output_type,
+                               inputs=inputs["per_chunk"], decode=output_type != "latent")
+        if resume is not None:
+            made.take_over(resume)
+        return made
+
+    def _prompt_embeds(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, max_sequence_length,
+                       device, num_videos_per_prompt: int = 1) -> tuple:
+        """``(positive, negative)`` embeddings in the transformer's dtype (negative ``None`` without CFG), by the
+        stock ``encode_prompt``."""
+        positive, negative = self.encode_prompt(
+            prompt=prompt, negative_prompt=negative_prompt,
+            do_classifier_free_guidance=self.do_classifier_free_guidance, num_videos_per_prompt=num_videos_per_prompt,
+            prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
+            max_sequence_length=max_sequence_length, device=device)
+        dtype = self.transformer.dtype
+        return positive.to(dtype), None if negative is None else negative.to(dtype)
+
+    def _stream_engines(self, settings: CausalConfig, chunk: int, positions: str) -> dict:
+        """A fresh rolling engine per branch: the config's window (21 latent frames, Self-Forcing's training length,
+        when it names none) and sink."""
+        window = max(settings.window_frames or 21, chunk + settings.sink_frames)
+        return {branch: RollingKVCacheEngine(window, settings.sink_frames, positions=positions)
+                for branch in topology(self.transformer).branches}
+
+    def _stream_inputs(self, kind, image, image_embeds, control_video, control_mask, conditioning_scale, video, used,
+                       shift, height, width, device, batch) -> dict:
+        """The per-chunk inputs of a stream: ``per_chunk(start_frame, size) -> dict`` for
+        :meth:`StreamingRollout.generate` (plus ``"start"``, the noise-to-start-latents map of video-to-video), and
+        the per-stream ``image_embeds`` / ``control_scale``."""
+        dtype, spatial = self.transformer.dtype, self.vae_scale_factor_spatial
+        if video is not None and (kind.is_i2v or kind.is_vace):
+            raise ValueError("video-to-video streams take a text-to-video transformer; drop video= for I2V / VACE.")
+        out: dict = {}
+        if kind.is_vace:
+            layers = len(self.transformer.config.vace_layers)
+            scale = torch.as_tensor(conditioning_scale, dtype=torch.float32).reshape(-1).expand(layers)
+            out["control_scale"] = scale.to(device, dtype)
+        feeds, encoders = {}, {}
+        if kind.is_i2v:
+            if image is None:
+                raise ValueError("this transformer is a Wan2.1 I2V model: pass image (the first frame).")
+            embeds = self.encode_image(image, device) if image_embeds is None else image_embeds
+            out["image_embeds"] = embeds.repeat(batch // embeds.shape[0], 1, 1).to(dtype)
+            first = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
+            encoders["condition"] = StreamingVAEEncoder(self.vae)
+        elif image is not None:
+            raise ValueError("image was given but the transformer is not an I2V model; drop it.")
+        if kind.is_vace:
+            blank = itertools.repeat(torch.zeros(height, width, 3))
+            feeds["control"] = FrameFeed(self, control_video if control_video is not None else blank, height,
+                                         width, "control video")
+            ones = itertools.repeat(torch.ones(height, width, 1))
+            feeds["mask"] = FrameFeed(self, control_mask if control_mask is not None else ones, height, width,
+                                      "control mask")
+            encoders["inactive"], encoders["reactive"] = StreamingVAEEncoder(self.vae), StreamingVAEEncoder(self.vae)
+        if video is not None:
+            feeds["video"] = FrameFeed(self, video, height, width, "input video")
+            encoders["video"] = StreamingVAEEncoder(self.vae)
+            sigma = float(shifted_sigmas([used[0]], shift)[0])
+
+        def per_chunk(start: int, size: int) -> dict:
+            count = video_frames_of(start, size)
+            if kind.is_i2v:
+                frames = torch.zeros(batch, 3, count, height, width, device=device)
+                if start == 0:
+                    frames[:, :, :1] = first.unsqueeze(2)
+                latents = encoders["condition"].encode(frames.to(self.vae.dtype)).to(torch.float32)
+                mask = torch.zeros(batch, self.vae_scale_factor_temporal, size, *latents.shape[3:], device=device)
+                if start == 0:
+                    mask[:, :, 0] = 1
+                return {"condition_latents": torch.cat([mask, latents], dim=1).to(dtype)}
+            if kind.is_vace:
+                control = feeds["control"].take(count).to(self.vae.dtype)
+                mask = torch.clamp((feeds["mask"].take(count) + 1) / 2, 0, 1)
+                binary = torch.where(mask > 0.5, 1.0, 0.0).to(self.vae.dtype)
+                parts = [encoders["inactive"].encode(control * (1 - binary)),
+                         encoders["reactive"].encode(control * binary),
+                         causal_vace_mask(mask, start == 0, spatial).to(self.vae.dtype)]
+                return {"control_latents": torch.cat(parts, dim=1).to(dtype)}
+            if video is not None:
+                z = encoders["video"].encode(feeds["video"].take(count).to(self.vae.dtype)).to(torch.float32)
+                z = z.repeat(batch // z.shape[0], 1, 1, 1, 1)
+                return {"start": lambda noise: (1 - sigma) * z + sigma * noise}
+            return {}
+
+        out["per_chunk"] = per_chunk
+        return out
+
     # ------------------------------------------------------------------------------------------------ parts
     def _check_call(self, height, width, output_type, tensor_inputs, reference_images, generator) -> None:
         if self.transformer_2 is not None or self.config.boundary_ratio is not None or self.config.expand_timesteps:
@@ -373,8 +575,9 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             scale = torch.as_tensor(conditioning_scale, dtype=torch.float32).reshape(-1).expand(layers)
             video, mask, refs = self.preprocess_conditions(video, mask, None, batch, height, width, num_frames,
                                                            torch.float32, device)
-            control = torch.cat([self.prepare_video_latents(video, mask, refs, generator, device),
-                                 self.prepare_masks(mask, refs, generator)], dim=1)
+            # The mask is downsampled in time causally (as a stream must), not by the stock prepare_masks.
+            masks = causal_vace_mask(mask, True, self.vae_scale_factor_spatial).to(video.dtype)
+            control = torch.cat([self.prepare_video_latents(video, mask, refs, generator, device), masks], dim=1)
             return {"control_latents": control.to(dtype), "control_scale": scale.to(device, dtype)}
         if kind.is_i2v or image is not None:
             if image is None:

@@ -10,6 +10,7 @@ forward per chunk and tag under its :class:`~diffusers_causal_kv.CausalContext`,
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,12 +81,6 @@ class RolloutPlanner:
                  control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
                  generator: torch.Generator | None = None, attention_kwargs: dict | None = None) -> None:
         self.transformer = resolve_transformer(model)
-        is_vace = topology(self.transformer).is_vace
-        if is_vace != (control_latents is not None):
-            raise ValueError(
-                "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
-                else "control_latents were given but the transformer has no VACE blocks; drop them."
-            )
         self.use_cfg = guidance_scale != 1.0
         if self.use_cfg and negative_prompt_embeds is None:
             raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
@@ -94,6 +89,14 @@ class RolloutPlanner:
         self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
         self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
         self.attention_kwargs = attention_kwargs
+
+    def with_frames(self, condition_latents: torch.Tensor | None = None,
+                    control_latents: torch.Tensor | None = None) -> RolloutPlanner:
+        """This planner with other per-frame inputs (a stream's next frames); the prompts are shared, so a prompt
+        switch applies to both."""
+        planner = copy.copy(self)
+        planner.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
+        return planner
 
     @property
     def engines(self) -> dict:
@@ -110,6 +113,12 @@ class RolloutPlanner:
         """The chunks over the frames of ``latents`` (``[batch, channels, frames, height, width]``), starting at
         absolute frame ``first_frame``, by :func:`~diffusers_causal_kv.chunk_schedule`; the per-frame inputs must
         cover the same frames (``given``, ``"noise"`` or ``"latents"``, names ``latents`` in the error)."""
+        is_vace = topology(self.transformer).is_vace
+        if is_vace != (self.per_frame["control_latents"] is not None):
+            raise ValueError(
+                "a VACE transformer needs control_latents (the control video's latents for every frame)" if is_vace
+                else "control_latents were given but the transformer has no VACE blocks; drop them."
+            )
         num_frames = latents.shape[2]
         if num_frames == 0:
             raise ValueError(f"{given} has 0 latent frames ({tuple(latents.shape)}); pass at least one frame.")

@@ -189,8 +189,9 @@ class StreamingRollout:
 
     Put a :class:`~diffusers_causal_kv.RollingKVCacheEngine` on ``transformer.kv_cache_engines`` (or pass
     ``cache_engines``) for bounded memory; the rollout keeps the clean latents of the frames the cache holds, so a
-    :meth:`switch_prompt` can re-cache them. Text-conditioned transformers only (no per-frame I2V/VACE inputs; use
-    :func:`prefill` and :func:`~diffusers_causal_kv.causal_rollout` for those).
+    :meth:`switch_prompt` can re-cache them. Wan2.1 I2V and VACE streams pass their per-frame inputs
+    (``condition_latents``, ``control_latents``) with each :meth:`generate` and :meth:`prefill` call, covering the
+    frames of that call; their prompt switches swap the cross-attention entries only (``mode="cross"``).
 
     Args:
         model: a Wan transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
@@ -199,6 +200,8 @@ class StreamingRollout:
         chunk_frames, timesteps, shift, context_noise, context_noise_mode, generator: as in
             :func:`~diffusers_causal_kv.causal_rollout`.
         cache_engines: engine map of this rollout; default ``transformer.kv_cache_engines``.
+        image_embeds / control_scale / attention_kwargs: Wan2.1 I2V image embeddings, the VACE layers' scale and
+            the forwards' ``attention_kwargs``, for every chunk.
 
     The caches are cleared when the rollout is created.
     """
@@ -217,16 +220,17 @@ class StreamingRollout:
         context_noise_mode: str = "label",
         cache_engines: dict | None = None,
         generator: torch.Generator | None = None,
+        image_embeds: torch.Tensor | None = None,
+        control_scale: torch.Tensor | None = None,
+        attention_kwargs: dict | None = None,
     ) -> None:
         self.transformer = resolve_transformer(model)
         kind = topology(self.transformer)
-        if kind.is_vace or kind.is_i2v:
-            raise NotImplementedError(
-                "StreamingRollout takes text conditioning only; for Wan2.1 I2V or VACE (per-frame inputs) use "
-                "prefill() and causal_rollout() with the per-frame latents."
-            )
+        self.per_frame_inputs = kind.is_vace or kind.is_i2v
         self._planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
-                                       guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator)
+                                       guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator,
+                                       image_embeds=image_embeds, control_scale=control_scale,
+                                       attention_kwargs=attention_kwargs)
         self.prompts = self._planner.prompts
         self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
         self.timesteps, self.shift = timesteps, shift
@@ -255,23 +259,34 @@ class StreamingRollout:
         return sum(e.memory_bytes() for e in self._planner.engines.values()) + sum(t.nbytes for _, t in self._window)
 
     @torch.no_grad()
-    def prefill(self, latents: torch.Tensor) -> None:
-        """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating."""
+    def prefill(self, latents: torch.Tensor, *, condition_latents: torch.Tensor | None = None,
+                control_latents: torch.Tensor | None = None) -> None:
+        """Continue the rollout with the given clean latents (e.g. the end of a real clip) instead of generating;
+        ``condition_latents`` / ``control_latents``: the I2V / VACE inputs of the same frames."""
         self._held_parts(self._window)  # frames committed behind this rollout's back: refuse before any work
-        for chunk in self._planner.plan(latents, self.chunk_frames, self.next_frame, given="latents"):
+        planner = self._planner.with_frames(condition_latents, control_latents)
+        for chunk in planner.plan(latents, self.chunk_frames, self.next_frame, given="latents"):
             part = latents[:, :, chunk.offset:chunk.offset + chunk.size]
-            self._planner.commit(part, chunk, *self.commit_noise)  # every tag or none
+            planner.commit(part, chunk, *self.commit_noise)  # every tag or none
             self._remember(chunk.frame, part)  # per chunk: an error in a later one leaves this one usable
 
     @torch.no_grad()
-    def generate(self, noise: torch.Tensor, progress: bool = False) -> RolloutOutput:
-        """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache."""
+    def generate(self, noise: torch.Tensor, progress: bool = False, *, condition_latents: torch.Tensor | None = None,
+                 control_latents: torch.Tensor | None = None, chunk_frames: int | Sequence[int] | None = None,
+                 on_step=None) -> RolloutOutput:
+        """Denoise ``noise.shape[2]`` more latent frames, chunk by chunk, continuing the cache.
+
+        ``condition_latents`` / ``control_latents``: the I2V / VACE inputs of the same frames. ``chunk_frames``:
+        this call's chunk schedule (default: the rollout's). ``on_step(chunk, step, t, latents)``: as in
+        :func:`~diffusers_causal_kv.rollout.rollout_chunks`."""
         self._held_parts(self._window)
-        chunks = self._planner.plan(noise, self.chunk_frames, self.next_frame)
+        planner = self._planner.with_frames(condition_latents, control_latents)
+        chunks = planner.plan(noise, self.chunk_frames if chunk_frames is None else chunk_frames, self.next_frame)
         sigmas = shifted_sigmas(self.timesteps, self.shift).tolist()
-        self._planner.check(noise, chunks)  # the whole request, as one causal_rollout call would
-        loop = rollout_chunks(self._planner, chunks, lambda c: noise[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
-                              context_noise=self.commit_noise[0], context_noise_mode=self.commit_noise[1])
+        planner.check(noise, chunks)  # the whole request, as one causal_rollout call would
+        loop = rollout_chunks(planner, chunks, lambda c: noise[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
+                              context_noise=self.commit_noise[0], context_noise_mode=self.commit_noise[1],
+                              on_step=on_step)
         outputs, seconds = [], []
         # Each committed chunk is remembered at once, so an interrupted generate() leaves the stream consistent with
         # its cache (the chunks before the interruption kept).
@@ -294,6 +309,11 @@ class StreamingRollout:
         all)."""
         if mode not in ("recache", "cross"):
             raise ValueError(f"switch_prompt mode must be 'recache' or 'cross', got {mode!r}.")
+        if mode == "recache" and self.per_frame_inputs:
+            raise NotImplementedError(
+                "switch_prompt(mode='recache') re-caches text-conditioned streams only (the window's I2V/VACE inputs "
+                "are not kept); switch an I2V or VACE stream with mode='cross'."
+            )
         new = {"pos": prompt_embeds}
         if negative_prompt_embeds is not None and "neg" in self.prompts:
             new["neg"] = negative_prompt_embeds

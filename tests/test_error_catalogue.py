@@ -804,10 +804,12 @@ def adopt_tag_of_another_window():
     return model, lambda: model.kv_cache_engines["main"].adopt_tag(other, "pos")
 
 
-@case(NotImplementedError, "takes text conditioning only")
-def streaming_rollout_on_vace():
-    model, text = _vace()
-    return model, lambda: StreamingRollout(model, text)
+@case(NotImplementedError, "re-caches text-conditioned streams only")
+def streaming_rollout_recache_on_vace():
+    model, text = _vace(frames=0, engines={"main": RollingKVCacheEngine(3), "vace": RollingKVCacheEngine(3)})
+    stream = StreamingRollout(model, text, chunk_frames=1, timesteps=(1000,))
+    stream.generate(_x(1), control_latents=_control(1))
+    return model, lambda: stream.switch_prompt(text)
 
 
 @case(RuntimeError, "did not commit all of them", r"holds frames \[0\.\.1\]")
@@ -818,6 +820,493 @@ def streaming_after_a_commit_behind_its_back():
     stream.generate(_x(1))
     forward(model, _x(1), ZERO, text, start_frame=stream.next_frame, store_kv=True)  # not through the rollout
     return model, lambda: stream.generate(_x(1))
+
+
+@case(ValueError, "the engine holds no such tag", r"reset_conditioning\('neg'\)")
+def engine_reset_conditioning_of_an_empty_tag():
+    model, text = _t2v()
+    return model, lambda: model.kv_cache_engines["main"].reset_conditioning("neg")
+
+
+@case(ValueError, "is not filled on branches", r"\['main', 'vace'\]")
+def reset_conditioning_of_an_empty_tag():
+    from diffusers_causal_kv import reset_conditioning
+
+    model, text = _vace()
+    return model, lambda: reset_conditioning(model, "neg")
+
+
+@case(ValueError, "switch_prompt mode must be")
+def streaming_switch_prompt_unknown_mode():
+    model = _installed(tiny_wan(), {"main": RollingKVCacheEngine(3)})
+    text, _ = conditioning(model, batch=1)
+    stream = StreamingRollout(model, text, chunk_frames=1, timesteps=(1000,))
+    stream.generate(_x(1))
+    return model, lambda: stream.switch_prompt(text, mode="replace")
+
+
+# Commit timesteps, the causal config and CausalWanPipeline
+@case(ValueError, "context_noise_mode must be 'label' or 'renoise'")
+def unknown_context_noise_mode():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, context_noise=100.0, context_noise_mode="noisy",
+                                         progress=False)
+
+
+@case(ValueError, "context_noise is a timestep in [0, 1000]")
+def context_noise_out_of_range():
+    model, text = _t2v()
+    return model, lambda: prefill(model, _x(1), text, context_noise=1500.0)
+
+
+def _config_trigger(text):
+    """Writes ``text`` as ``causal_config.json`` into a new folder and returns a loader of it."""
+    import tempfile
+
+    from diffusers_causal_kv import CausalConfig
+
+    directory = pathlib.Path(tempfile.mkdtemp())
+    (directory / "causal_config.json").write_text(text)
+    return lambda: CausalConfig.load(directory)
+
+
+@case(ValueError, "invalid causal config", r"sink_frames \(4\) must be below window_frames \(4\)")
+def causal_config_with_a_sink_filling_the_window():
+    return _t2v()[0], _config_trigger('{"window_frames": 4, "sink_frames": 4}')
+
+
+@case(ValueError, "has unknown keys", r"\['chunk_size'\]")
+def causal_config_with_an_unknown_key():
+    return _t2v()[0], _config_trigger('{"chunk_size": 3}')
+
+
+@case(ValueError, "is not valid JSON")
+def causal_config_that_is_not_json():
+    return _t2v()[0], _config_trigger("chunk_frames: 3")
+
+
+@case(ValueError, "must hold a JSON object")
+def causal_config_that_is_a_list():
+    return _t2v()[0], _config_trigger("[3]")
+
+
+def _called_pipeline(transformer=None, run=True, **first):
+    """A CausalWanPipeline on tiny components after one call with ``first`` added to its arguments (its cache holds
+    2 frames; none with ``run=False``, just an empty engine map), and that call's arguments."""
+    from diffusers_causal_kv import CausalConfig, CausalWanPipeline
+    from diffusers_causal_kv.testing import tiny_pipeline_components
+
+    pipe = CausalWanPipeline(**tiny_pipeline_components(transformer), causal_config=CausalConfig(chunk_frames=1))
+    args = {**dict(prompt="a ball", height=16, width=16, num_frames=5, timesteps=[1000], max_sequence_length=8,
+                   output_type="latent"), **first}
+    if run:
+        pipe(**args)
+    else:
+        _installed(pipe.transformer, {"main": KVCacheEngine()})
+    return pipe, args
+
+
+def _pipeline(transformer=None, first=None, **call):
+    """The called pipeline's transformer, and the call again with ``call`` changed."""
+    pipe, args = _called_pipeline(transformer, **(first or {}))
+    return pipe.transformer, lambda: pipe(**{**args, **call})
+
+
+@case(NotImplementedError, "does not run Wan2.2 settings yet")
+def pipeline_with_a_boundary_ratio():
+    pipe, args = _called_pipeline()
+    pipe.register_to_config(boundary_ratio=0.9)
+    return pipe.transformer, lambda: pipe(**args)
+
+
+@case(ValueError, "height and width must be multiples of 16")
+def pipeline_height_not_a_multiple_of_16():
+    return _pipeline(height=20)
+
+
+@case(ValueError, "output_type must be 'np', 'pil', 'pt' or 'latent'")
+def pipeline_unknown_output_type():
+    return _pipeline(output_type="mp4")
+
+
+@case(ValueError, "are not among the callback tensors")
+def pipeline_unknown_callback_tensor():
+    return _pipeline(callback_on_step_end=lambda *a: {}, callback_on_step_end_tensor_inputs=["noise_pred"])
+
+
+@case(ValueError, "reference_images are not supported by the causal VACE path")
+def pipeline_reference_images():
+    return _pipeline(reference_images=[object()])
+
+
+@case(ValueError, "a list of generators is not supported")
+def pipeline_generator_list():
+    return _pipeline(generator=[torch.Generator()])
+
+
+@case(ValueError, "needs a prompt or prompt_embeds")
+def pipeline_without_a_prompt():
+    return _pipeline(prompt=None)
+
+
+@case(ValueError, "but this call needs")
+def pipeline_latents_of_another_shape():
+    return _pipeline(latents=torch.randn(1, 16, 3, 2, 2))
+
+
+@case(ValueError, "is a Wan2.1 I2V model: pass image")
+def pipeline_i2v_without_an_image():
+    i2v = dict(image=torch.zeros(1, 3, 16, 16), image_embeds=torch.randn(1, 4, 8), max_sequence_length=512)
+    return _pipeline(tiny_wan(i2v=True), first=i2v, image=None)
+
+
+@case(ValueError, "image was given but the transformer is not an I2V model")
+def pipeline_image_for_a_t2v_model():
+    return _pipeline(image=torch.zeros(1, 3, 16, 16))
+
+
+def _stream_call(**call):
+    """A called pipeline's transformer, and ``pipe.stream(...)`` with ``call`` (streams have engines of their own)."""
+    pipe, args = _called_pipeline()
+    args = {k: v for k, v in args.items() if k not in ("output_type", "num_frames")}
+    return pipe.transformer, lambda: pipe.stream(**args, output_type="latent", **call), pipe, args
+
+
+@case(ValueError, "strength must lie in")
+def stream_strength_zero():
+    return _stream_call(video=[], strength=0.0)[:2]
+
+
+@case(ValueError, "keeps none of the timesteps", r"at least 1\.0")
+def stream_strength_below_every_timestep():
+    return _stream_call(video=[], strength=0.5)[:2]
+
+
+@case(ValueError, "streams take a text-to-video transformer")
+def stream_video_to_video_on_i2v():
+    i2v = dict(image=torch.zeros(1, 3, 16, 16), image_embeds=torch.randn(1, 4, 8), max_sequence_length=512)
+    pipe, args = _called_pipeline(tiny_wan(i2v=True), **i2v)
+    args = {k: v for k, v in args.items() if k not in ("output_type", "num_frames")}
+    return pipe.transformer, lambda: pipe.stream(**args, video=[])
+
+
+@case(ValueError, "resume= takes a closed stream")
+def stream_resume_of_a_running_stream():
+    model, start, pipe, args = _stream_call()
+    return model, lambda: pipe.stream(**args, resume=start())
+
+
+@case(ValueError, "continues in groups of", "got 5")
+def stream_resume_with_a_partial_group():
+    model, start, pipe, args = _stream_call(num_frames=5)
+    stream = start()
+    next(stream)
+    stream.close()
+    return model, lambda: pipe.stream(**args, num_frames=5, resume=stream)
+
+
+@case(ValueError, "prompt switch mode must be")
+def stream_switch_unknown_mode():
+    model, start, _, _ = _stream_call()
+    stream = start()
+    return model, lambda: stream.switch_prompt("a cube", mode="swap")
+
+
+@case(ValueError, "takes a prompt or prompt_embeds (one of the two)")
+def stream_switch_without_a_prompt():
+    model, start, _, _ = _stream_call()
+    stream = start()
+    return model, lambda: stream.switch_prompt()
+
+
+@case(ValueError, "frames, but the stream's next chunk needs", "ran out after 0 frames")
+def stream_input_video_runs_out():
+    model, start, _, _ = _stream_call(video=iter([]))
+    stream = start()
+    return model, lambda: next(stream)
+
+
+@case(ValueError, "in the middle of a chunk", cached=False)
+def pipeline_callback_changing_the_prompt():
+    # The callback runs after the rollout cleared the cache (nothing can tell earlier what it returns): the error
+    # comes before the first chunk's commit, so the cache is left empty, as the snapshot of a fresh map says.
+    pipe, args = _called_pipeline(run=False)
+    return pipe.transformer, lambda: pipe(**args, callback_on_step_end_tensor_inputs=["prompt_embeds"],
+                                          callback_on_step_end=lambda p, i, t, kw: {
+                                              "prompt_embeds": kw["prompt_embeds"] + 1})
+
+
+# Modular Pipelines
+def _modular(model, guider=None, **components):
+    """The causal Wan block set on ``model``, without the text encoder and VAE decoder steps (embeddings given)."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv.modular import causal_wan_blocks
+
+    blocks = causal_wan_blocks()
+    for name in ("text_encoder", "decode"):
+        blocks.sub_blocks.pop(name)
+    pipe = blocks.init_pipeline()
+    pipe.update_components(transformer=model, guider=guider or ClassifierFreeGuidance(guidance_scale=1.0), **components)
+    return pipe
+
+
+@case(NotImplementedError, "the causal denoise blocks do not cover", "two-expert Wan2.2")
+def modular_two_expert_block_set():
+    from diffusers import Wan22Blocks
+
+    from diffusers_causal_kv.modular import causal_wan_blocks
+
+    model, _ = _t2v()
+    return model, lambda: causal_wan_blocks(Wan22Blocks())
+
+
+@case(NotImplementedError, "the causal denoise blocks do not cover", "WanVACETransformer3DModel")
+def modular_vace_transformer():
+    model, text = _vace()
+    pipe = _modular(model)
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(ValueError, "needs a transformer component")
+def modular_without_transformer():
+    model, text = _t2v()
+    pipe = _modular(None)
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(TypeError, "install CausalWanAttnProcessor only over the stock WanAttnProcessor", "run MaskedStockProcessor")
+def modular_transformer_with_other_processors():
+    from helpers import MaskedStockProcessor
+
+    model, text = _t2v()
+    model.set_attn_processor(MaskedStockProcessor())
+    pipe = _modular(model)
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(ValueError, "but negative_prompt_embeds is None", r"ClassifierFreeGuidance\) runs classifier-free guidance")
+def modular_guidance_without_negative_prompt():
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    model, text = _t2v()
+    pipe = _modular(model, ClassifierFreeGuidance(guidance_scale=5.0))
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(NotImplementedError, "caches only a guider's plain conditional and", "SkipLayerGuidance changes the model")
+def modular_guider_perturbing_the_model():
+    from diffusers.guiders import SkipLayerGuidance
+
+    model, text = _t2v()
+    pipe = _modular(model, SkipLayerGuidance(skip_layer_guidance_layers=[0]))
+    return model, lambda: pipe(prompt_embeds=text, negative_prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(ValueError, "pass either timesteps (few-step sampling) or num_inference_steps")
+def modular_timesteps_and_scheduler_steps():
+    model, text = _t2v()
+    pipe = _modular(model, scheduler=FlowMatchEulerDiscreteScheduler())
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), timesteps=[1000], num_inference_steps=2)
+
+
+@case(ValueError, "but it has no scheduler component")
+def modular_scheduler_steps_without_scheduler():
+    model, text = _t2v()
+    pipe = _modular(model)
+    return model, lambda: pipe(prompt_embeds=text, latents=_x(2), num_inference_steps=2)
+
+
+# Streaming VAE
+def _no_cache():
+    """A tiny installed transformer with nothing cached: the streaming VAE never touches a KV cache."""
+    return _installed(tiny_wan(), {"main": KVCacheEngine()})
+
+
+@case(TypeError, "wraps a diffusers AutoencoderKLWan", "got Conv3d", cached=False)
+def streaming_vae_of_another_model():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder
+
+    return _no_cache(), lambda: StreamingVAEDecoder(torch.nn.Conv3d(16, 3, 1))
+
+
+@case(RuntimeError, "internals that this diffusers release lacks", r"lacks: vae\.decoder;.*<0\.43", cached=False)
+def streaming_vae_without_a_relied_on_internal():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder
+    from diffusers_causal_kv.testing import tiny_vae
+
+    vae = tiny_vae(seed=0)
+    del vae.decoder  # as if a diffusers release had renamed it
+    return _no_cache(), lambda: StreamingVAEDecoder(vae)
+
+
+@case(ValueError, "takes the pipeline's normalised latents", r"\[batch, 16, frames.*got \(1, 48, 1, 2, 2\)",
+      cached=False)
+def streaming_vae_decode_of_other_channels():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder
+    from diffusers_causal_kv.testing import tiny_vae
+
+    decoder = StreamingVAEDecoder(tiny_vae(seed=0))
+    return _no_cache(), lambda: decoder.decode(torch.zeros(1, 48, 1, 2, 2))
+
+
+@case(ValueError, "takes video frames [batch,", r"\[batch, 3, frames.*got \(1, 16, 4, 16, 16\)", cached=False)
+def streaming_vae_encode_of_latents():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEEncoder
+    from diffusers_causal_kv.testing import tiny_vae
+
+    encoder = StreamingVAEEncoder(tiny_vae(seed=0))
+    return _no_cache(), lambda: encoder.encode(torch.zeros(1, 16, 4, 16, 16))
+
+
+@case(ValueError, "sample_mode must be", "got 'mean'", cached=False)
+def streaming_vae_encode_of_unknown_sample_mode():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEEncoder
+    from diffusers_causal_kv.testing import tiny_vae
+
+    encoder = StreamingVAEEncoder(tiny_vae(seed=0))
+    return _no_cache(), lambda: encoder.encode(torch.zeros(1, 3, 1, 16, 16), sample_mode="mean")
+
+
+@case(ValueError, "but this stream started with", r"batch is 1 but this stream started with 2.*reset\(\)",
+      cached=False)
+def streaming_vae_decode_of_another_batch():
+    from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder
+    from diffusers_causal_kv.testing import tiny_vae
+
+    decoder = StreamingVAEDecoder(tiny_vae(seed=0))
+    decoder.decode(torch.zeros(2, 16, 1, 2, 2))
+    return _no_cache(), lambda: decoder.decode(torch.zeros(1, 16, 1, 2, 2))
+
+
+# Checkpoint conversion
+def _conversion(write_source, **kwargs):
+    """A tiny installed transformer with nothing cached (conversion never touches a KV cache), and a trigger that
+    converts what ``write_source(folder)`` writes into a fresh temporary folder."""
+    import tempfile
+
+    from diffusers_causal_kv.convert import convert_checkpoint
+
+    folder = pathlib.Path(tempfile.mkdtemp())
+    src = write_source(folder)
+    kwargs = {"num_attention_heads": 2, **kwargs}
+    return _installed(tiny_wan(), {"main": KVCacheEngine()}), lambda: convert_checkpoint(src, folder / "out", **kwargs)
+
+
+def _self_forcing_file(folder, name="self_forcing_dmd.pt", **extra):
+    from convert_fixtures import write_wrapper
+
+    return write_wrapper(folder / name, tiny_wan(), extra=extra)
+
+
+def _longlive_lora(lora):
+    """A LongLive ``lora.pt`` holding ``lora`` as its generator's LoRA, in a temporary folder of its own."""
+    import tempfile
+
+    from convert_fixtures import save_pt
+
+    return save_pt(pathlib.Path(tempfile.mkdtemp()) / "lora.pt", {"generator_lora": lora, "step": 1})
+
+
+@case(FileNotFoundError, "no checkpoint at", "missing.pt", cached=False)
+def convert_missing_file():
+    return _conversion(lambda folder: folder / "missing.pt")
+
+
+@case(ValueError, "could not be read as a checkpoint", "self_forcing_dmd.pt.*download it again", cached=False)
+def convert_truncated_file():
+    def write(folder):
+        src = pathlib.Path(_self_forcing_file(folder))
+        src.write_bytes(src.read_bytes()[:2000])
+        return src
+
+    return _conversion(write)
+
+
+@case(ValueError, "cannot be loaded with weights_only=True", "self_forcing_dmd.pt", cached=False)
+def convert_pickle_with_objects():
+    import argparse
+
+    return _conversion(lambda folder: _self_forcing_file(folder, config=argparse.Namespace(lr=1e-5)))
+
+
+@case(ValueError, "holds no transformer weights", r"found \[\]", cached=False)
+def convert_empty_folder():
+    return _conversion(lambda folder: folder)
+
+
+@case(ValueError, "not a Wan checkpoint layout the converter knows", r"vae\.pt.*encoder\.conv1\.weight", cached=False)
+def convert_unknown_layout():
+    from convert_fixtures import save_pt
+
+    return _conversion(lambda folder: save_pt(folder / "vae.pt", {"encoder.conv1.weight": torch.zeros(1)}))
+
+
+@case(ValueError, "entry to convert", r"no 'generator_ema' entry.*\['critic', 'generator'\].*--no-ema", cached=False)
+def convert_ema_that_is_not_there():
+    return _conversion(_self_forcing_file, ema=True)
+
+
+@case(ValueError, "but format=", "expects a wrapper .pt", cached=False)
+def convert_with_the_wrong_format():
+    from convert_fixtures import original_state_dict
+    from safetensors.torch import save_file
+
+    def write(folder):
+        save_file(original_state_dict(tiny_wan()), folder / "krea-realtime-video-14b.safetensors")
+        return folder / "krea-realtime-video-14b.safetensors"
+
+    return _conversion(write, format="longlive")
+
+
+@case(ValueError, "cannot tell which causal checkpoint", "model.pt", cached=False)
+def convert_anonymous_wrapper():
+    return _conversion(lambda folder: _self_forcing_file(folder, name="model.pt"))
+
+
+@case(ValueError, "format must be one of", "got 'selfforcing'", cached=False)
+def convert_unknown_format():
+    return _conversion(_self_forcing_file, format="selfforcing")
+
+
+@case(ValueError, "lora_mode must be one of", "got 'fuse'", cached=False)
+def convert_unknown_lora_mode():
+    return _conversion(_self_forcing_file, lora_mode="fuse")
+
+
+@case(ValueError, "dtype must be one of", "got 'float8'", cached=False)
+def convert_unknown_dtype():
+    return _conversion(_self_forcing_file, dtype="float8")
+
+
+@case(ValueError, "keys do not map onto WanTransformer3DModel", r"missing .*blocks\.1\.ffn\.net\.2\.bias", cached=False)
+def convert_incomplete_state_dict():
+    from convert_fixtures import original_state_dict, save_pt
+
+    def write(folder):
+        state = original_state_dict(tiny_wan(), prefix="model.")
+        del state["model.blocks.1.ffn.2.bias"]
+        return save_pt(folder / "self_forcing_dmd.pt", {"generator": state})
+
+    return _conversion(write)
+
+
+@case(ValueError, "cannot split dim", "dim 24 into num_attention_heads=5", cached=False)
+def convert_heads_not_dividing_the_width():
+    return _conversion(_self_forcing_file, num_attention_heads=5)
+
+
+@case(ValueError, "LoRA conversion does not map", r"lora\.pt", cached=False)
+def convert_lora_of_unknown_keys():
+    lora = {"base_model.model.vae.conv.lora_A.weight": torch.zeros(4, 8)}
+    return _conversion(_self_forcing_file, lora=_longlive_lora(lora))
+
+
+@case(ValueError, "do not fit the model", r"blocks\.0\.attn1\.to_q \(A \(4, 7\)", cached=False)
+def convert_lora_of_another_model():
+    lora = {"base_model.model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 7),
+            "base_model.model.blocks.0.self_attn.q.lora_B.weight": torch.zeros(24, 4)}
+    return _conversion(_self_forcing_file, lora=_longlive_lora(lora))
 
 
 @pytest.mark.parametrize("build, error, fragment, detail, cached", CASES)

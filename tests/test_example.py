@@ -114,3 +114,30 @@ def test_example_refuses_a_checkpoint_without_base_components(tmp_path):
     with pytest.raises(SystemExit) as exited:
         _load().main(["--checkpoint", str(tmp_path), "--output", str(tmp_path / "out.mp4")])
     assert "pass --model-id for the base Wan components" in str(exited.value.code)
+
+
+def test_example_converts_a_peer_checkpoint_file_on_the_fly(tmp_path, capsys):
+    """``--checkpoint`` a Self-Forcing ``.pt`` (a model with Wan's head dim 128, so its config is inferred as for a
+    real one): converted next to it once, with the peer's sampling settings, then run."""
+    import sys
+
+    from diffusers import WanPipeline
+
+    from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from convert_fixtures import write_wrapper
+
+    WanPipeline(**tiny_pipeline_components()).save_pretrained(tmp_path / "base")
+    causal = tiny_wan(head_dim=128, heads=1, ffn_dim=64, text_dim=32, seed=3)
+    source = write_wrapper(tmp_path / "self_forcing_dmd.pt", causal, causal)
+    output = tmp_path / "out.mp4"
+    args = ["--checkpoint", source, "--model-id", str(tmp_path / "base"), "--output", str(output),
+            "--height", "32", "--width", "32", "--num-frames", "25"]
+    _load().main(args)
+    assert (tmp_path / "self_forcing_dmd.pt.diffusers" / "causal_config.json").is_file()
+    printed = capsys.readouterr().out
+    assert "converting" in printed and "chunks (latent frames): [4, 3]" in printed
+    assert iio.imread(output).shape == (25, 32, 32, 3)
+    _load().main(args)  # the converted folder is reused
+    assert "converting" not in capsys.readouterr().out

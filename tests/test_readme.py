@@ -20,7 +20,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from diffusers_causal_kv import CausalWanAttnProcessor
-from diffusers_causal_kv.testing import tiny_conditioning, tiny_wan
+from diffusers_causal_kv.testing import tiny_conditioning, tiny_pipeline_components, tiny_wan
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b:?\s*(.*?)\s*-->")
@@ -73,8 +73,9 @@ def setup_namespace(section: str) -> dict:
     text = tiny_conditioning(transformer, batch=1, seed=1)[0]
     return {
         "transformer": transformer,
-        "pipe": WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
-                            scheduler=FlowMatchEulerDiscreteScheduler()),
+        # a tiny text encoder, tokenizer and VAE built in code, so the pipeline sections run prompts to frames
+        "pipe": WanPipeline(**{**tiny_pipeline_components(transformer),
+                               "scheduler": FlowMatchEulerDiscreteScheduler()}),
         "batch": 1,
         "noise": _latents(6, 0),
         "clean": _latents(6, 1),

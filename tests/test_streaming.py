@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import cache_snapshot, conditioning, forward, masked_full_forward, tiny_wan, window_mask
 
-from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, VanillaKVCacheEngine
+from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, VanillaKVCacheEngine, causal_rollout
 from diffusers_causal_kv.streaming import StreamingRollout, prefill, recache, recache_schedule
 
 H = W = 4
@@ -176,11 +176,30 @@ def test_recache_errors():
         recache(vanilla, [(0, _clip(2))], new_text)
 
 
-def test_streaming_rollout_errors():
+@pytest.mark.parametrize("kind", ["vace", "i2v"])
+def test_streaming_rollout_with_per_frame_inputs_equals_causal_rollout(kind):
+    """I2V / VACE streams take their per-frame inputs with each generate() call; chunk by chunk they give
+    causal_rollout's latents over the whole video."""
     from helpers import tiny_vace
 
-    with pytest.raises(NotImplementedError, match="text conditioning only"):
-        StreamingRollout(tiny_vace(), torch.zeros(1, 12, 32))
+    model = tiny_vace() if kind == "vace" else tiny_wan(i2v=True)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    text, image = conditioning(model, batch=1)
+    frames = 4
+    name, channels = (("control_latents", model.config.vace_in_channels) if kind == "vace"
+                      else ("condition_latents", 20))
+    per_frame = torch.randn(1, channels, frames, 4, 4, generator=torch.Generator().manual_seed(4))
+    noise = torch.randn(1, 16, frames, 4, 4, generator=torch.Generator().manual_seed(5))
+    extra = {"image_embeds": image} if kind == "i2v" else {}
+    expected = causal_rollout(model, noise, text, chunk_frames=2, timesteps=(1000, 500), progress=False,
+                              generator=torch.Generator().manual_seed(6), **{name: per_frame}, **extra).latents
+    stream = StreamingRollout(model, text, chunk_frames=2, timesteps=(1000, 500),
+                              generator=torch.Generator().manual_seed(6), **extra)
+    parts = [stream.generate(noise[:, :, k:k + 2], **{name: per_frame[:, :, k:k + 2]}).latents for k in (0, 2)]
+    assert torch.equal(torch.cat(parts, dim=2), expected)
+
+
+def test_streaming_rollout_errors():
     with pytest.raises(ValueError, match="needs negative_prompt_embeds"):
         StreamingRollout(tiny_wan(), torch.zeros(1, 12, 32), guidance_scale=3.0)
 

@@ -1,0 +1,16 @@
+"""Published causal Wan checkpoints -> diffusers model folders with their sampling settings.
+
+``convert_checkpoint(src, out, format="auto", ...)`` (or ``python -m diffusers_causal_kv.convert SRC OUT``) reads a
+Self-Forcing, Causal-Forcing, CausVid, LongLive (base plus LoRA), Krea Realtime or original-layout Wan checkpoint and
+writes a folder that stock ``WanTransformer3DModel.from_pretrained(out)`` loads, plus ``out/causal_config.json``
+(:class:`~diffusers_causal_kv.CausalConfig`) with the sampling settings the checkpoint's authors use. ``FORMATS``
+lists the peers, their layouts and settings, with the sources they were read from (:mod:`.peers`).
+
+This subpackage imports diffusers, torch, safetensors and :mod:`diffusers_causal_kv.causal_config` only.
+"""
+
+from .checkpoint import convert_checkpoint
+from .lora import LORA_WEIGHT_NAME
+from .peers import FORMATS, PeerFormat
+
+__all__ = ["FORMATS", "LORA_WEIGHT_NAME", "PeerFormat", "convert_checkpoint"]

@@ -1,0 +1,74 @@
+"""``python -m diffusers_causal_kv.convert SRC OUT [options]``: the command line of :func:`convert_checkpoint`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .checkpoint import DTYPES, LORA_MODES, convert_checkpoint
+from .peers import FORMAT_NAMES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m diffusers_causal_kv.convert",
+        description="Convert a causal Wan checkpoint (Self-Forcing, Causal-Forcing, CausVid, LongLive, Krea, original "
+                    "Wan layout) into a diffusers WanTransformer3DModel folder with its causal_config.json.",
+    )
+    parser.add_argument("src", help="the checkpoint file (.pt, .safetensors, *.safetensors.index.json) or folder")
+    parser.add_argument("out", help="the diffusers folder to write")
+    parser.add_argument("--format", default="auto", choices=FORMAT_NAMES,
+                        help="the checkpoint's origin (default: from its layout and file name)")
+    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
+                        help="convert generator_ema (--ema) or generator (--no-ema); default: what the peer's "
+                             "inference loads")
+    parser.add_argument("--lora", help="a LoRA file to apply (LongLive's lora.pt)")
+    parser.add_argument("--lora-mode", default="merge", choices=LORA_MODES,
+                        help="merge the LoRA into the weights, or write it as a switchable adapter")
+    parser.add_argument("--lora-alpha", type=float, help="the LoRA alpha (default: its rank, as LongLive's)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as stored)")
+    parser.add_argument("--max-shard-size", default="10GB", help="largest safetensors shard (default: 10GB)")
+    parser.add_argument("--num-attention-heads", type=int, help="heads (default: width / 128, as every Wan release)")
+    parser.add_argument("--attention-head-dim", type=int, help="head dim (default: 128)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a sampling setting of causal_config.json (a JSON value), e.g. chunk_frames=1; "
+                             "repeat for several")
+    return parser
+
+
+def _sampling_changes(parser: argparse.ArgumentParser, items: list[str]) -> dict | None:
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            changes[key] = json.loads(value)
+        except ValueError:
+            changes[key] = value  # a bare string, e.g. context_noise_mode=renoise
+    return changes or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    causal_config = _sampling_changes(parser, args.set)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = convert_checkpoint(
+            args.src, args.out, args.format, ema=args.ema, lora=args.lora, lora_mode=args.lora_mode,
+            lora_alpha=args.lora_alpha, dtype=args.dtype, max_shard_size=args.max_shard_size,
+            num_attention_heads=args.num_attention_heads, attention_head_dim=args.attention_head_dim,
+            causal_config=causal_config,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

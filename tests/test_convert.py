@@ -1,0 +1,277 @@
+"""Checkpoint conversion: each peer's release layout, synthesized from a tiny model, converts into a folder that stock
+``WanTransformer3DModel.from_pretrained`` loads with no missing or unexpected keys and that computes exactly what
+the source model computes; LoRAs merge (or load as a switchable adapter) like PEFT applies them; broken and
+mismatched files fail naming the file and the keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+from convert_fixtures import (
+    HEADS,
+    add_random_lora,
+    inputs,
+    longlive_lora_file,
+    original_state_dict,
+    output,
+    save_pt,
+    write_safetensors_shards,
+    write_wrapper,
+)
+from diffusers import WanTransformer3DModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from diffusers_causal_kv import CausalConfig
+from diffusers_causal_kv.convert import FORMATS, LORA_WEIGHT_NAME, convert_checkpoint
+from diffusers_causal_kv.convert.__main__ import main
+from diffusers_causal_kv.testing import tiny_wan
+
+
+def _model(seed=0, **config):
+    # Wan's RoPE table length: the converter cannot read it from the weights and writes Wan's default.
+    return tiny_wan(seed=seed, rope_max_seq_len=1024, **config)
+
+
+def _load(out) -> WanTransformer3DModel:
+    model, info = WanTransformer3DModel.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == []
+    # from_pretrained leaves the weights in the memory-mapped file, unaligned, where CPU kernels round differently:
+    # give them their own storage so that bitwise comparisons compare the arithmetic only.
+    for param in model.parameters():
+        param.data = param.data.clone()
+    return model.eval()
+
+
+def _assert_same_outputs(converted, source):
+    kwargs = inputs(source)
+    assert torch.equal(output(converted, kwargs), output(source, kwargs))
+
+
+def _convert(src, out, **kwargs):
+    return convert_checkpoint(src, out, num_attention_heads=HEADS, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the peers' layouts
+def test_self_forcing_converts_the_ema_weights_by_default(tmp_path):
+    generator, ema = _model(seed=0), _model(seed=1)
+    src = write_wrapper(tmp_path / "checkpoints" / "self_forcing_dmd.pt", generator, ema)
+
+    out = _convert(src, tmp_path / "ema")
+    _assert_same_outputs(_load(out), ema)
+    assert CausalConfig.load(out) == FORMATS["self_forcing"].sampling
+    assert CausalConfig.load(out).source == "self_forcing"
+
+    out = _convert(src, tmp_path / "generator", ema=False)
+    _assert_same_outputs(_load(out), generator)
+
+
+def test_causal_forcing_keeps_the_self_forcing_layout_behind_training_wrappers(tmp_path):
+    generator, ema = _model(seed=0), _model(seed=1)
+    # FSDP / torch.compile name segments inside the wrapper's "model." prefix
+    src = write_wrapper(tmp_path / "chunkwise" / "causal_forcing.pt", generator, ema,
+                        inner="_orig_mod._fsdp_wrapped_module.")
+    out = _convert(src, tmp_path / "out")
+    _assert_same_outputs(_load(out), generator)  # its chunk-wise inference loads the non-EMA weights
+    assert CausalConfig.load(out).source == "causal_forcing"
+
+
+def test_causvid_autoregressive_checkpoint(tmp_path):
+    generator = _model(seed=2)
+    src = write_wrapper(tmp_path / "autoregressive_checkpoint" / "model.pt", generator)
+    out = _convert(src, tmp_path / "out")
+    _assert_same_outputs(_load(out), generator)
+    config = CausalConfig.load(out)
+    assert config == FORMATS["causvid"].sampling and config.timesteps == (1000.0, 757.0, 522.0)
+
+
+def test_krea_safetensors_of_its_wrapper(tmp_path):
+    model = _model(seed=3)
+    src = tmp_path / "checkpoints" / "krea-realtime-video-14b.safetensors"
+    src.parent.mkdir()
+    save_file(original_state_dict(model, prefix="model."), src)
+    out = _convert(src, tmp_path / "out")
+    _assert_same_outputs(_load(out), model)
+    assert CausalConfig.load(out) == FORMATS["krea"].sampling
+
+
+def test_sharded_original_wan_i2v_folder(tmp_path):
+    model = _model(seed=4, i2v=True)
+    write_safetensors_shards(tmp_path / "Wan2.1-I2V", original_state_dict(model), shards=3)
+    out = _convert(tmp_path / "Wan2.1-I2V", tmp_path / "out")  # the folder: its index json is found
+    converted = _load(out)
+    assert converted.config.image_dim == 8 and converted.config.added_kv_proj_dim == 24
+    _assert_same_outputs(converted, model)
+    assert CausalConfig.load(out).source == "wan"
+
+
+def test_heads_default_to_wans_head_dim_of_128(tmp_path):
+    model = _model(seed=5, head_dim=128, heads=2, layers=1)
+    src = tmp_path / "diffusion_pytorch_model.safetensors"
+    save_file(original_state_dict(model), src)
+    converted = _load(convert_checkpoint(src, tmp_path / "out"))
+    assert (converted.config.num_attention_heads, converted.config.attention_head_dim) == (2, 128)
+    _assert_same_outputs(converted, model)
+
+
+# ---------------------------------------------------------------------------------------------- LongLive's LoRA
+@pytest.fixture
+def longlive(tmp_path):
+    """LongLive's release of a tiny model: base weights, a LoRA (rank 4, alpha 8), and the same LoRA applied by
+    PEFT to the source model as the reference."""
+    base = _model(seed=6)
+    src = write_wrapper(tmp_path / "longlive_models" / "models" / "longlive_base.pt", base)
+    reference = _model(seed=6)
+    add_random_lora(reference, rank=4, alpha=8.0)
+    lora = longlive_lora_file(tmp_path / "longlive_models" / "models" / "lora.pt", reference)
+    return base, reference, src, lora
+
+
+def test_longlive_lora_merged(longlive, tmp_path):
+    base, reference, src, lora = longlive
+    out = _convert(src, tmp_path / "merged", lora=lora, lora_alpha=8.0)
+    kwargs = inputs(base)
+    torch.testing.assert_close(output(_load(out), kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+    assert CausalConfig.load(out) == FORMATS["longlive"].sampling
+    assert not os.path.exists(os.path.join(out, LORA_WEIGHT_NAME))
+
+
+def test_longlive_lora_alpha_defaults_to_the_rank(longlive, tmp_path):
+    base, reference, src, lora = longlive
+    out = _convert(src, tmp_path / "merged", lora=lora)  # LongLive's alpha = rank: scale 1, half of alpha 8 / rank 4
+    reference.set_adapters(["default"], weights=[0.5])
+    kwargs = inputs(base)
+    torch.testing.assert_close(output(_load(out), kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+
+
+def test_longlive_lora_as_a_switchable_adapter(longlive, tmp_path):
+    base, reference, src, lora = longlive
+    out = _convert(src, tmp_path / "adapter", lora=lora, lora_mode="adapter", lora_alpha=8.0)
+    model = _load(out)
+    kwargs = inputs(base)
+    assert torch.equal(output(model, kwargs), output(base, kwargs))  # the base weights, untouched
+
+    model.load_lora_adapter(out, weight_name=LORA_WEIGHT_NAME, prefix="transformer", adapter_name="longlive")
+    torch.testing.assert_close(output(model, kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+    merged = _load(_convert(src, tmp_path / "merged", lora=lora, lora_alpha=8.0))
+    torch.testing.assert_close(output(model, kwargs), output(merged, kwargs), atol=1e-5, rtol=1e-5)
+    model.disable_adapters()
+    assert torch.equal(output(model, kwargs), output(base, kwargs))
+    model.enable_adapters()
+    torch.testing.assert_close(output(model, kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def test_cli_writes_bf16_shards_and_a_causal_config(tmp_path):
+    model = _model(seed=7)
+    src = write_wrapper(tmp_path / "autoregressive_checkpoint" / "model.pt", model)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--format", "causvid", "--dtype", "bfloat16", "--max-shard-size", "20KB",
+                 "--num-attention-heads", str(HEADS), "--set", "num_frames=49", "--set", "timesteps=[1000, 500]"]) == 0
+
+    index = json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    dtypes = {}
+    for shard in shards:
+        with safe_open(out / shard, framework="pt") as f:
+            dtypes.update({key: f.get_slice(key).get_dtype() for key in f.keys()})  # noqa: SIM118
+    kept = [key for key in dtypes if any(part in WanTransformer3DModel._keep_in_fp32_modules for part in
+                                             key.split("."))]
+    assert kept and all(dtypes[key] == "F32" for key in kept)  # as diffusers keeps them when loading in bf16
+    assert {dtypes[key] for key in dtypes if key not in kept} == {"BF16"}
+
+    loaded = WanTransformer3DModel.from_pretrained(out, torch_dtype=torch.bfloat16)
+    assert loaded.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    assert CausalConfig.load(out) == FORMATS["causvid"].sampling.replace(num_frames=49, timesteps=(1000, 500))
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.pt"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "no checkpoint at" in error and "missing.pt" in error
+
+
+def test_sampling_settings_can_be_overridden(tmp_path):
+    src = write_wrapper(tmp_path / "chunkwise" / "causal_forcing.pt", _model(), _model(seed=1))
+    out = _convert(src, tmp_path / "framewise", ema=True, causal_config={"chunk_frames": 1})
+    assert CausalConfig.load(out) == FORMATS["causal_forcing"].sampling.replace(chunk_frames=1)
+
+
+# ---------------------------------------------------------------------------------------------- broken files
+def _self_forcing(tmp_path, **state_changes):
+    state = {"generator": {f"model.{k}": v for k, v in original_state_dict(_model()).items()}}
+    for key, value in state_changes.items():
+        if value is None:
+            del state["generator"][key]
+        else:
+            state["generator"][key] = value
+    return save_pt(tmp_path / "self_forcing_dmd.pt", state)
+
+
+def test_truncated_file(tmp_path):
+    src = write_wrapper(tmp_path / "self_forcing_dmd.pt", _model())
+    data = pathlib.Path(src).read_bytes()
+    pathlib.Path(src).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="could not be read as a checkpoint") as caught:
+        _convert(src, tmp_path / "out")
+    assert "self_forcing_dmd.pt" in str(caught.value) and "download it again" in str(caught.value)
+
+
+def test_truncated_safetensors(tmp_path):
+    src = tmp_path / "krea-realtime-video-14b.safetensors"
+    save_file(original_state_dict(_model()), src)
+    src.write_bytes(src.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="could not be read as a checkpoint") as caught:
+        _convert(src, tmp_path / "out")
+    assert "krea-realtime-video-14b.safetensors" in str(caught.value)
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"model.blocks.1.ffn.2.bias": None}, ["missing", "blocks.1.ffn.net.2.bias"]),
+    ({"model.blocks.0.self_attn.lora_q.weight": torch.zeros(2)}, ["unmapped", "model.blocks.0.self_attn.lora_q"]),
+    ({"model.blocks.1.ffn.0.weight": torch.zeros(7, 24)},
+     ["shapes", "model.blocks.1.ffn.0.weight: (7, 24) vs (32, 24)"]),
+], ids=["missing-key", "extra-key", "wrong-shape"])
+def test_keys_that_do_not_map(tmp_path, change, names):
+    src = _self_forcing(tmp_path, **change)
+    with pytest.raises(ValueError, match="keys do not map onto WanTransformer3DModel") as caught:
+        _convert(src, tmp_path / "out")
+    message = str(caught.value)
+    assert "self_forcing_dmd.pt['generator']" in message
+    assert all(name in message for name in names), message
+    assert not os.path.exists(tmp_path / "out")  # refused before anything was written
+
+
+def test_wrong_format_forced(tmp_path):
+    src = tmp_path / "krea-realtime-video-14b.safetensors"
+    save_file(original_state_dict(_model()), src)
+    with pytest.raises(ValueError, match="but format='longlive' expects a wrapper .pt") as caught:
+        _convert(src, tmp_path / "out", format="longlive")
+    assert "krea-realtime-video-14b.safetensors" in str(caught.value)
+
+
+def test_unknown_layout_names_the_keys(tmp_path):
+    src = save_pt(tmp_path / "vae.pt", {"encoder.conv1.weight": torch.zeros(1), "decoder.conv1.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="not a Wan checkpoint layout the converter knows") as caught:
+        _convert(src, tmp_path / "out")
+    assert "vae.pt" in str(caught.value) and "encoder.conv1.weight" in str(caught.value)
+
+
+def test_diffusers_state_dict_is_pointed_to_from_pretrained(tmp_path):
+    src = tmp_path / "diffusion_pytorch_model.safetensors"
+    save_file(_model().state_dict(), src)
+    with pytest.raises(ValueError, match="load its folder with from_pretrained"):
+        _convert(src, tmp_path / "out")
+
+
+def test_auto_cannot_tell_an_anonymous_wrapper(tmp_path):
+    src = write_wrapper(tmp_path / "checkpoint_model_000600" / "model.pt", _model())
+    with pytest.raises(ValueError, match="cannot tell which causal checkpoint"):
+        _convert(src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out", format="self_forcing")  # no EMA in it: the generator
+    assert CausalConfig.load(out).source == "self_forcing"
