@@ -371,6 +371,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         prompt_schedule: dict[int, str] | None = None,
         prompt_switch: str = "recache",
         resume: CausalWanStream | None = None,
+        overlap: bool | None = None,
     ) -> CausalWanStream:
         """Generate chunk by chunk and yield each chunk's frames as soon as it is decoded (:class:`StreamChunk`).
 
@@ -392,6 +393,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 cross-attention entries only). :meth:`CausalWanStream.switch_prompt` does the same while it runs.
             resume: a closed stream to continue (its cache, window, decoder and frame counters); the other inputs
                 must describe the same video.
+            overlap: decode chunk *k* while the transformer makes chunk *k + 1* (a side CUDA stream; one chunk of
+                lookahead, see :mod:`~diffusers_causal_kv.pipeline_stream`); default on CUDA devices only.
             Other arguments as in :meth:`__call__`.
         """
         settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
@@ -448,7 +451,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 attention_kwargs=attention_kwargs)
         made = CausalWanStream(self, rollout, shape=shape, sizes=sizes, generator=generator, encode_prompt=encode,
                                prompt_schedule=prompt_schedule, switch_mode=prompt_switch, output_type=output_type,
-                               inputs=inputs["per_chunk"], decode=output_type != "latent")
+                               inputs=inputs["per_chunk"], decode=output_type != "latent",
+                               overlap=device.type == "cuda" if overlap is None else overlap)
         if resume is not None:
             made.take_over(resume)
         return made

@@ -9,13 +9,17 @@ video-to-video input are encoded with a :class:`~diffusers_causal_kv.StreamingVA
 Random numbers are drawn in the pipeline's documented order (per chunk: its noise, then its re-noising draws), so
 with the same seed, chunk schedule and engines a stream's frames equal the pipeline call's.
 
-Overlap: on a CUDA device the decode of chunk *k* runs on a second CUDA stream while the transformer denoises chunk
-*k + 1* on the default one (the frames are handed out once the decode is done); elsewhere it runs in line, with the
-same frames.
+Overlap (``overlap=True``, the default on CUDA): chunk *k* is decoded on a second CUDA stream, from a worker thread,
+while the transformer makes chunk *k + 1* on the default stream; chunk *k*'s frames are handed out once both are
+done. The price is one chunk of lookahead: a prompt switch asked for after chunk *k* was handed out applies from
+chunk *k + 2*, and closing the stream leaves chunk *k + 1* committed too (a ``resume`` hands it out first).
+Elsewhere (``overlap=False``, the default off CUDA) every chunk is made, then decoded, in line; the frames are the same
+either way (tested on CPU with ``overlap=True``, where the same order runs without a side stream).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -60,7 +64,7 @@ class CausalWanStream:
 
     def __init__(self, pipe, rollout: StreamingRollout, *, shape: tuple, sizes: Iterator[int], generator,
                  encode_prompt: Callable, prompt_schedule: dict | None, switch_mode: str, output_type: str,
-                 inputs: Callable[[int, int], dict], decode: bool) -> None:
+                 inputs: Callable[[int, int], dict], decode: bool, overlap: bool) -> None:
         self.pipe, self.rollout = pipe, rollout
         self._shape, self._sizes, self._generator = shape, sizes, generator
         self._encode_prompt, self._schedule = encode_prompt, dict(prompt_schedule or {})
@@ -68,7 +72,7 @@ class CausalWanStream:
         self._decoder = StreamingVAEDecoder(pipe.vae) if decode else None
         self._pending: tuple | None = None
         self._index, self._video_frame, self._began = 0, 0, None
-        self._closed = False
+        self._closed, self._overlap, self._ahead, self._executor = False, overlap, None, None
 
     def __iter__(self) -> CausalWanStream:
         return self
@@ -84,14 +88,19 @@ class CausalWanStream:
         pending prompt switch (:meth:`CausalWanPipeline.stream` with ``resume=``)."""
         self._decoder = closed._decoder if self._decoder is not None else None
         self._index, self._video_frame, self._pending = closed._index, closed._video_frame, closed._pending
+        self._ahead = closed._ahead  # a chunk made ahead (overlap) is handed out first
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """End the stream (the caches keep the chunks yielded so far)."""
+        """End the stream. The caches keep the chunks yielded so far, plus, with ``overlap``, the one made ahead
+        (a ``resume`` hands it out first)."""
         self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def switch_prompt(self, prompt: str | None = None, negative_prompt: str | None = None, *,
                       prompt_embeds: torch.Tensor | None = None, mode: str | None = None) -> None:
@@ -108,13 +117,33 @@ class CausalWanStream:
     def __next__(self) -> StreamChunk:
         if self._closed:
             raise StopIteration
-        size = next(self._sizes, None)
-        if size is None:
+        made = self._ahead if self._ahead is not None else self._make()
+        self._ahead = None
+        if made is None:
             self._closed = True
             raise StopIteration
-        if self._began is None:
-            self._began = time.perf_counter()
+        index, latents, start, began = made
+        if not self._overlap or self._decoder is None:
+            frames = self._decode(latents)
+        else:  # decode chunk k on a side stream and thread while the transformer makes chunk k + 1
+            decoding = self._worker().submit(self._decode, latents)
+            self._ahead = self._make()
+            frames = decoding.result()
+        size, video = latents.shape[2], video_frames_of(start, latents.shape[2])
+        now = time.perf_counter()
+        chunk = StreamChunk(index, frames, latents, range(start, start + size),
+                            range(self._video_frame, self._video_frame + video), now - began, now - self._began)
+        self._video_frame += video
+        return chunk
+
+    def _make(self) -> tuple | None:
+        """Denoise and commit the next chunk: ``(index, latents, start frame, start time)``, or ``None`` at the
+        end of the schedule."""
+        size = next(self._sizes, None)
+        if size is None:
+            return None
         began = time.perf_counter()
+        self._began = began if self._began is None else self._began
         self._apply_switch()
         start = self.rollout.next_frame
         inputs = self._inputs(start, size)
@@ -122,13 +151,13 @@ class CausalWanStream:
                              device=self.pipe._execution_device, dtype=torch.float32)
         start_latents = inputs.pop("start", lambda n: n)(noise)
         latents = self.rollout.generate(start_latents, chunk_frames=[size], **inputs).latents
-        frames = self._decode(latents)
-        video = video_frames_of(start, size)
-        chunk = StreamChunk(self._index, frames, latents, range(start, start + size),
-                            range(self._video_frame, self._video_frame + video), time.perf_counter() - began,
-                            time.perf_counter() - self._began)
-        self._index, self._video_frame = self._index + 1, self._video_frame + video
-        return chunk
+        self._index += 1
+        return self._index - 1, latents, start, began
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="causal-wan-decode")
+        return self._executor
 
     def _apply_switch(self) -> None:
         if self._index in self._schedule:
@@ -144,17 +173,17 @@ class CausalWanStream:
             return
         self.rollout.switch_prompt(positive, negative, mode=mode)
 
+    @torch.no_grad()
     def _decode(self, latents: torch.Tensor):
         if self._decoder is None:
             return None
-        if latents.device.type != "cuda":
+        if not self._overlap or latents.device.type != "cuda":
             return self.pipe.video_processor.postprocess_video(self._decoder.decode(latents), self._output_type)
-        side = torch.cuda.Stream(latents.device)  # decode beside the transformer's next chunk
-        side.wait_stream(torch.cuda.current_stream(latents.device))
+        side = torch.cuda.Stream(latents.device)  # beside the default stream, where the next chunk runs
+        side.wait_stream(torch.cuda.default_stream(latents.device))  # the latents are written
         with torch.cuda.stream(side):
             video = self._decoder.decode(latents)
-        torch.cuda.current_stream(latents.device).wait_stream(side)
-        return self.pipe.video_processor.postprocess_video(video, self._output_type)
+            return self.pipe.video_processor.postprocess_video(video, self._output_type)
 
 
 def causal_vace_mask(mask: torch.Tensor, first_frame: bool, spatial: int) -> torch.Tensor:

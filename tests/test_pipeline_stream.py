@@ -199,3 +199,20 @@ def test_long_stream_with_two_prompt_switches_keeps_memory_flat():
             stream.close()
     assert len(memory) == 200
     assert len(set(memory[10:])) == 1, sorted(set(memory[10:]))
+
+
+def test_overlap_gives_the_same_frames_with_one_chunk_of_lookahead():
+    """overlap=True (decode chunk k while chunk k + 1 is made) runs in the same order on CPU: the same frames; closing
+    after chunk k leaves the chunk made ahead committed, and resume hands it out first."""
+    pipe = _pipe()
+    plain = list(pipe.stream(**_args(), num_frames=FRAMES, generator=torch.Generator().manual_seed(7),
+                             cache_engines=_engines(pipe), overlap=False))
+    stream = pipe.stream(**_args(), num_frames=FRAMES, generator=torch.Generator().manual_seed(7),
+                         cache_engines=_engines(pipe), overlap=True)
+    first = next(stream)
+    assert stream.rollout.next_frame == 4  # chunk 1 was made while chunk 0 was decoded
+    stream.close()
+    rest = list(pipe.stream(**_args(), num_frames=8, generator=stream._generator, resume=stream, overlap=True))
+    assert [c.index for c in [first, *rest]] == [0, 1, 2]
+    np.testing.assert_array_equal(np.concatenate([c.frames for c in [first, *rest]], axis=1),
+                                  np.concatenate([c.frames for c in plain], axis=1))
