@@ -24,6 +24,7 @@ from .model import (
     check_rollout,
     clear_caches,
     commits_together,
+    experts_of,
     prepare_transformer,
     resolve_engines,
     topology,
@@ -49,20 +50,40 @@ class Chunk:
 
 
 def resolve_transformer(model) -> torch.nn.Module:
-    """The transformer of a pipeline, or ``model`` itself; refuses two-expert (Wan2.2 A14B) pipelines."""
-    if getattr(model, "transformer_2", None) is not None:
-        raise NotImplementedError(
-            "two-expert Wan2.2 pipelines (transformer + transformer_2 switched at a boundary timestep) are not "
-            "supported by the causal rollout yet; pass a single-expert pipeline or one transformer."
+    """The transformer of a pipeline (its first expert), or ``model`` itself."""
+    return experts_of(model)[0]
+
+
+def expert_engine_maps(experts: list[torch.nn.Module], cache_engines: dict | None) -> list[dict | None]:
+    """Each expert's ``cache_engines``: one branch map for one expert; for two experts ``None`` (their own
+    ``kv_cache_engines``) or ``{"transformer": map, "transformer_2": map}``."""
+    if len(experts) == 1:
+        return [cache_engines]
+    if cache_engines is None:
+        return [None, None]
+    if set(cache_engines) != {"transformer", "transformer_2"}:
+        raise ValueError(
+            "a two-expert pipeline takes cache_engines={'transformer': {...}, 'transformer_2': {...}} (one engine "
+            f"map per expert: each caches K/V computed with its own weights), got keys {sorted(cache_engines)}."
         )
-    return getattr(model, "transformer", model)
+    return [cache_engines["transformer"], cache_engines["transformer_2"]]
+
+
+@dataclass
+class Expert:
+    """One transformer of a rollout, with its engine map and guidance scale."""
+
+    transformer: torch.nn.Module
+    cache_engines: dict | None
+    guidance_scale: float
 
 
 class RolloutPlanner:
-    """Chunked, cached forwards of one transformer for one conditioning.
+    """Chunked, cached forwards of one transformer (or the two experts of Wan2.2 A14B) for one conditioning.
 
     Args:
-        model: a Wan (or Wan VACE) transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one.
+        model: a Wan (or Wan VACE) transformer with ``CausalWanAttnProcessor`` installed, or a pipeline holding one
+            (or two: ``transformer`` at high noise, ``transformer_2`` below the boundary timestep).
         prompt_embeds: text embeddings of the tag ``cache_tag`` (``"pos"`` by default; :func:`prefill` names
             another tag to fill one tag alone).
         negative_prompt_embeds / guidance_scale: with ``guidance_scale != 1``, classifier-free guidance runs the
@@ -70,18 +91,45 @@ class RolloutPlanner:
         image_embeds: Wan2.1 I2V image-encoder embeddings, passed to every forward.
         condition_latents / control_latents: per-frame inputs (I2V condition, VACE control) covering the rollout's
             frames, sliced per chunk; ``control_scale`` the per-VACE-layer scale.
-        cache_engines: the engine map to use; default ``transformer.kv_cache_engines``.
+        cache_engines: the engine map to use; default ``transformer.kv_cache_engines`` (two experts:
+            ``{"transformer": map, "transformer_2": map}``).
         generator: random generator of re-noising.
         attention_kwargs: passed to every forward (e.g. ``{"scale": 0.5}``, the LoRA scale).
+        guidance_scale_2 / boundary_ratio: two experts: the low-noise expert's guidance scale (default
+            ``guidance_scale``) and the boundary (default the pipeline's ``config.boundary_ratio``): a forward at
+            timestep ``t >= boundary_ratio * 1000`` runs ``transformer``, below it ``transformer_2``, as the stock
+            pipelines choose on the timestep actually passed. Commits run on both experts, all or none.
+        expand_timesteps / first_frame_latents: Wan2.2 TI2V (default the pipeline's ``config.expand_timesteps``):
+            per-token timesteps; with ``first_frame_latents`` (the encoded image, ``[batch, channels, 1, h, w]``),
+            latent frame 0 is that image, its tokens at timestep 0, blended into every forward's input and into
+            the chunk's result, as ``WanImageToVideoPipeline(expand_timesteps=True)`` does.
     """
 
     def __init__(self, model, prompt_embeds: torch.Tensor, *, negative_prompt_embeds: torch.Tensor | None = None,
                  guidance_scale: float = 1.0, cache_tag: str = "pos", image_embeds: torch.Tensor | None = None,
                  condition_latents: torch.Tensor | None = None, control_latents: torch.Tensor | None = None,
                  control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
-                 generator: torch.Generator | None = None, attention_kwargs: dict | None = None) -> None:
-        self.transformer = resolve_transformer(model)
-        self.use_cfg = guidance_scale != 1.0
+                 generator: torch.Generator | None = None, attention_kwargs: dict | None = None,
+                 guidance_scale_2: float | None = None, boundary_ratio: float | None = None,
+                 expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None) -> None:
+        transformers = experts_of(model)
+        if len(transformers) == 2 and transformers[0] is transformers[1]:
+            raise ValueError("transformer_2 is the same module as transformer; the two experts of Wan2.2 A14B are two "
+                             "models, each with its own cache (pass transformer_2=None for one expert).")
+        config = getattr(model, "config", None) if hasattr(model, "transformer") else None
+        boundary_ratio = getattr(config, "boundary_ratio", None) if boundary_ratio is None else boundary_ratio
+        if len(transformers) == 2 and boundary_ratio is None:
+            raise ValueError("a two-expert pipeline needs boundary_ratio (the timestep fraction where transformer_2 "
+                             "takes over, e.g. 0.875 for Wan2.2 T2V-A14B, 0.9 for I2V-A14B).")
+        scales = [guidance_scale, guidance_scale if guidance_scale_2 is None else guidance_scale_2]
+        self.experts = [Expert(t, engines, scale) for t, engines, scale in
+                        zip(transformers, expert_engine_maps(transformers, cache_engines), scales)]
+        self.boundary = None if len(transformers) == 1 else boundary_ratio * 1000
+        self.transformer, self.cache_engines = self.experts[0].transformer, self.experts[0].cache_engines
+        self.expand_timesteps = bool(getattr(config, "expand_timesteps", False)) if expand_timesteps is None \
+            else expand_timesteps
+        self.first_frame_latents = first_frame_latents
+        self.use_cfg = any(e.guidance_scale != 1.0 for e in self.experts)
         if self.use_cfg and negative_prompt_embeds is None:
             raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
         self.prompts = {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
@@ -138,29 +186,37 @@ class RolloutPlanner:
         """Fail before any work if the planned rollout cannot run: inputs the model refuses (checked on the first
         chunk of every tag), a schedule an engine cannot hold, or positions past the RoPE table."""
         first = chunks[0]
-        for tag in self.prompts:
-            check_forward_inputs(self.transformer, self.inputs(latents[:, :, :first.size], 0.0, tag, first))
-        # Completes and validates the engine map (every branch) as the first forward would, before any clearing.
-        prepare_transformer(self.transformer, self.cache_engines)
-        check_rollout(self.transformer, self.engines, first.frame, [c.size for c in chunks])
+        for expert in self.experts:
+            for tag in self.prompts:
+                check_forward_inputs(expert.transformer, self.inputs(latents[:, :, :first.size], 0.0, tag, first))
+            # Completes and validates the engine map (every branch) as the first forward would, before any clearing.
+            prepare_transformer(expert.transformer, expert.cache_engines)
+            check_rollout(expert.transformer, resolve_engines(expert.transformer, expert.cache_engines), first.frame,
+                          [c.size for c in chunks])
 
     def clear(self) -> None:
-        """Clear the engines the rollout uses."""
-        if self.cache_engines is None:
-            clear_caches(self.transformer)
-            return
-        for engine in self.cache_engines.values():
-            engine.clear()
+        """Clear the engines the rollout uses (every expert's)."""
+        for expert in self.experts:
+            if expert.cache_engines is None:
+                clear_caches(expert.transformer)
+            else:
+                for engine in expert.cache_engines.values():
+                    engine.clear()
+
+    def expert_for(self, t) -> Expert:
+        """The expert that denoises at timestep ``t`` (the one the stock pipelines pick for that timestep)."""
+        return self.experts[0] if self.boundary is None or float(t) >= self.boundary else self.experts[1]
 
     def inputs(self, x: torch.Tensor, t, tag: str, chunk: Chunk) -> dict:
         """The transformer's keyword arguments for the chunk's latents ``x`` at timestep ``t`` on ``tag``."""
         part = {k: None if v is None else v[:, :, chunk.offset:chunk.offset + chunk.size]
                 for k, v in self.per_frame.items()}
         condition = part["condition_latents"]
+        x = self.with_first_frame(x, chunk)
         inputs = {
             # in the transformer's dtype, as the stock pipelines pass it (the latents stay in theirs)
             "hidden_states": (x if condition is None else torch.cat([x, condition], dim=1)).to(self.transformer.dtype),
-            "timestep": torch.full((x.shape[0],), float(t), device=x.device, dtype=torch.float32),
+            "timestep": self._timestep(x, t, chunk),
             "encoder_hidden_states": self.prompts[tag],
             "encoder_hidden_states_image": self.image_embeds,
             "attention_kwargs": self.attention_kwargs,
@@ -169,21 +225,44 @@ class RolloutPlanner:
             inputs.update(control_hidden_states=part["control_latents"], control_hidden_states_scale=self.control_scale)
         return inputs
 
-    def forward(self, x: torch.Tensor, t, chunk: Chunk, tag: str, store_kv: bool = False) -> torch.Tensor:
-        """One transformer forward on a chunk under its :class:`CausalContext`."""
-        with CausalContext(self.transformer, start_frame=chunk.frame, cache_tag=tag, store_kv=store_kv,
-                           cache_engines=self.cache_engines):
-            return self.transformer(**self.inputs(x, t, tag, chunk), return_dict=False)[0]
+    def _timestep(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
+        """One timestep per sample, or per token (Wan2.2 TI2V): ``t`` everywhere, 0 on a conditioning first frame."""
+        if not self.expand_timesteps:
+            return torch.full((x.shape[0],), float(t), device=x.device, dtype=torch.float32)
+        _, p_h, p_w = self.transformer.config.patch_size
+        per_frame = (x.shape[3] // p_h) * (x.shape[4] // p_w)
+        timestep = torch.full((x.shape[0], x.shape[2], per_frame), float(t), device=x.device, dtype=torch.float32)
+        if self.first_frame_latents is not None and chunk.frame == 0:
+            timestep[:, 0] = 0
+        return timestep.flatten(1)
+
+    def with_first_frame(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """``x`` with latent frame 0 replaced by the conditioning image (TI2V image-to-video, the chunk holding
+        frame 0 only), as the stock pipeline blends it: ``(1 - mask) * condition + mask * latents``."""
+        if self.first_frame_latents is None or chunk.frame != 0:
+            return x
+        mask = torch.ones_like(x[:, :1])
+        mask[:, :, 0] = 0
+        return (1 - mask) * self.first_frame_latents.to(x.dtype) + mask * x
+
+    def forward(self, x: torch.Tensor, t, chunk: Chunk, tag: str, store_kv: bool = False,
+                expert: Expert | None = None) -> torch.Tensor:
+        """One transformer forward on a chunk under its :class:`CausalContext` (the expert of timestep ``t``)."""
+        expert = self.expert_for(t) if expert is None else expert
+        with CausalContext(expert.transformer, start_frame=chunk.frame, cache_tag=tag, store_kv=store_kv,
+                           cache_engines=expert.cache_engines):
+            return expert.transformer(**self.inputs(x, t, tag, chunk), return_dict=False)[0]
 
     def flow(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
-        """The (guided) flow prediction for a chunk at timestep ``t``."""
+        """The (guided) flow prediction for a chunk at timestep ``t``, by the expert of ``t``."""
         # In the latents' dtype: a flow-matching scheduler casts its step to the flow's dtype, and the latents of a
         # bf16 transformer stay in fp32 as in the stock pipelines.
-        cond = self.forward(x, t, chunk, self.cache_tag)
+        expert = self.expert_for(t)
+        cond = self.forward(x, t, chunk, self.cache_tag, expert=expert)
         if not self.use_cfg:
             return cond.to(x.dtype)
-        uncond = self.forward(x, t, chunk, "neg")
-        return (uncond + self.guidance_scale * (cond - uncond)).to(x.dtype)
+        uncond = self.forward(x, t, chunk, "neg", expert=expert)
+        return (uncond + expert.guidance_scale * (cond - uncond)).to(x.dtype)
 
     def predict_x0(self, x: torch.Tensor, sigma: float, chunk: Chunk) -> torch.Tensor:
         """The clean chunk the (guided) flow predicts from ``x`` at noise level ``sigma``."""
@@ -203,6 +282,7 @@ class RolloutPlanner:
         check_context_noise(context_noise, mode)
         if mode == "renoise" and context_noise > 0:
             x = self.renoise(x, context_noise / 1000)
-        with torch.no_grad(), commits_together():
-            for tag in self.prompts:
-                self.forward(x, context_noise, chunk, tag, store_kv=True)
+        with torch.no_grad(), commits_together():  # every expert's cache needs the K/V of its own weights
+            for expert in self.experts:
+                for tag in self.prompts:
+                    self.forward(x, context_noise, chunk, tag, store_kv=True, expert=expert)

@@ -88,6 +88,7 @@ def rollout_chunks(planner: RolloutPlanner, chunks: Sequence[Chunk], noise_for: 
         began = time.perf_counter()
         step = None if on_step is None else functools.partial(on_step, chunk)
         x = denoise_chunk(planner, noise_for(chunk), chunk, sigmas, scheduler, num_inference_steps, step)
+        x = planner.with_first_frame(x, chunk)  # TI2V image-to-video: frame 0 is the image
         planner.commit(x, chunk, context_noise, context_noise_mode)
         _synchronize(x)
         yield chunk, x, time.perf_counter() - began
@@ -113,6 +114,8 @@ def causal_rollout(
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     attention_kwargs: dict | None = None,
+    guidance_scale_2: float | None = None, boundary_ratio: float | None = None,  # Wan2.2 A14B
+    expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None,  # Wan2.2 TI2V
     progress: bool = True,
     continue_cache: bool = False,
 ) -> RolloutOutput:
@@ -140,6 +143,10 @@ def causal_rollout(
         cache_engines: engine map for this rollout (one per user session); default ``transformer.kv_cache_engines``.
         generator: random generator for re-noising.
         attention_kwargs: passed to every forward (e.g. ``{"scale": 0.5}``, the LoRA scale).
+        guidance_scale_2 / boundary_ratio: a two-expert Wan2.2 A14B pipeline (``transformer`` above the boundary
+            timestep, ``transformer_2`` below it; see :class:`~diffusers_causal_kv.RolloutPlanner`).
+        expand_timesteps / first_frame_latents: Wan2.2 TI2V's per-token timesteps, and its image-to-video first
+            frame (the encoded image; default the pipeline's ``config.expand_timesteps``).
         progress: show a tqdm progress bar over chunks.
         continue_cache: keep the cache instead of clearing it, and start at the frame the ``"main"`` engine's
             ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
@@ -149,7 +156,9 @@ def causal_rollout(
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
                              condition_latents=condition_latents, control_latents=control_latents,
                              control_scale=control_scale, cache_engines=cache_engines, generator=generator,
-                             attention_kwargs=attention_kwargs)
+                             attention_kwargs=attention_kwargs, guidance_scale_2=guidance_scale_2,
+                             boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps,
+                             first_frame_latents=first_frame_latents)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
     sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear

@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from .kv_cache import BaseKVCacheEngine, RollingKVCacheEngine
 from .masks import chunk_schedule
-from .model import resolve_engines, topology
-from .planner import RolloutPlanner, check_context_noise, resolve_transformer
+from .model import experts_of, resolve_engines, topology
+from .planner import RolloutPlanner, check_context_noise, expert_engine_maps, resolve_transformer
 from .rollout import RolloutOutput, rollout_chunks, shifted_sigmas
 
 
@@ -114,12 +114,21 @@ def recache(
             as a chunk of its own at the start (:func:`recache_schedule`), so every chunk fits the window.
         Other arguments as in :func:`prefill`.
     """
-    transformer = resolve_transformer(model)
-    engines = resolve_engines(transformer, cache_engines)
-    scratch = _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames,
-                        (context_noise, context_noise_mode), image_embeds, generator)
-    for branch, engine in engines.items():
-        engine.adopt_tag(scratch[branch], cache_tag)
+    experts = expert_engines(model, cache_engines)
+    # Every expert is re-cached (with its own weights) before any is swapped in.
+    scratch = [_recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames,
+                         (context_noise, context_noise_mode), image_embeds, generator)
+               for transformer, engines in experts]
+    for (_, engines), built in zip(experts, scratch):
+        for branch, engine in engines.items():
+            engine.adopt_tag(built[branch], cache_tag)
+
+
+def expert_engines(model, cache_engines: dict | None = None) -> list[tuple[torch.nn.Module, dict]]:
+    """``(transformer, engine map)`` of every expert of ``model`` (one, or the two of Wan2.2 A14B)."""
+    transformers = experts_of(model)
+    return [(t, resolve_engines(t, engines))
+            for t, engines in zip(transformers, expert_engine_maps(transformers, cache_engines))]
 
 
 def _recached(transformer, engines, window, prompt_embeds, cache_tag, chunk_frames, commit_noise, image_embeds,
@@ -158,16 +167,18 @@ def reset_conditioning(model, cache_tag: str = "pos", cache_engines: dict | None
     (:meth:`~diffusers_causal_kv.BaseKVCacheEngine.reset_conditioning`). The next chunk is denoised under whatever
     prompt it brings, attending to frames cached under the old one, and its commit stores the new cross entries.
     Cheaper than :func:`recache` (no forward), and what a prompt switch that keeps the recent frames' K/V does;
-    every engine is checked before any is changed."""
-    engines = resolve_engines(resolve_transformer(model), cache_engines)
-    missing = [branch for branch, engine in engines.items() if cache_tag not in engine.tags()]
-    if not engines or missing:
-        raise ValueError(
-            f"reset_conditioning: cache tag {cache_tag!r} is not filled on branches {missing or ['main']}; a tag "
-            "that holds no frames takes any conditioning already."
-        )
-    for engine in engines.values():
-        engine.reset_conditioning(cache_tag)
+    every engine (of every expert) is checked before any is changed."""
+    maps = [engines for _, engines in expert_engines(model, cache_engines)]
+    for engines in maps:
+        missing = [branch for branch, engine in engines.items() if cache_tag not in engine.tags()]
+        if not engines or missing:
+            raise ValueError(
+                f"reset_conditioning: cache tag {cache_tag!r} is not filled on branches {missing or ['main']}; a tag "
+                "that holds no frames takes any conditioning already."
+            )
+    for engines in maps:
+        for engine in engines.values():
+            engine.reset_conditioning(cache_tag)
 
 
 def recache_schedule(num_frames: int, chunk_frames: int) -> list[int]:
@@ -202,6 +213,8 @@ class StreamingRollout:
         cache_engines: engine map of this rollout; default ``transformer.kv_cache_engines``.
         image_embeds / control_scale / attention_kwargs: Wan2.1 I2V image embeddings, the VACE layers' scale and
             the forwards' ``attention_kwargs``, for every chunk.
+        **experts: Wan2.2 settings passed to :class:`~diffusers_causal_kv.RolloutPlanner` (``guidance_scale_2``,
+            ``boundary_ratio``, ``expand_timesteps``, ``first_frame_latents``).
 
     The caches are cleared when the rollout is created.
     """
@@ -223,6 +236,7 @@ class StreamingRollout:
         image_embeds: torch.Tensor | None = None,
         control_scale: torch.Tensor | None = None,
         attention_kwargs: dict | None = None,
+        **experts,
     ) -> None:
         self.transformer = resolve_transformer(model)
         kind = topology(self.transformer)
@@ -230,7 +244,7 @@ class StreamingRollout:
         self._planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                                        guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator,
                                        image_embeds=image_embeds, control_scale=control_scale,
-                                       attention_kwargs=attention_kwargs)
+                                       attention_kwargs=attention_kwargs, **experts)
         self.prompts = self._planner.prompts
         self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
         self.timesteps, self.shift = timesteps, shift
@@ -256,7 +270,8 @@ class StreamingRollout:
 
     def memory_bytes(self) -> int:
         """Bytes held by the engines and by the clean latents kept for re-caching."""
-        return sum(e.memory_bytes() for e in self._planner.engines.values()) + sum(t.nbytes for _, t in self._window)
+        held = sum(e.memory_bytes() for _, engines in self._expert_engines() for e in engines.values())
+        return held + sum(t.nbytes for _, t in self._window)
 
     @torch.no_grad()
     def prefill(self, latents: torch.Tensor, *, condition_latents: torch.Tensor | None = None,
@@ -317,22 +332,27 @@ class StreamingRollout:
         new = {"pos": prompt_embeds}
         if negative_prompt_embeds is not None and "neg" in self.prompts:
             new["neg"] = negative_prompt_embeds
+        experts = self._expert_engines()
         if mode == "cross":
             for tag, prompt in new.items():
-                for engine in self._planner.engines.values():
-                    if tag in engine.tags():  # an unfilled tag takes any conditioning already
-                        engine.reset_conditioning(tag)
+                for _, engines in experts:
+                    for engine in engines.values():
+                        if tag in engine.tags():  # an unfilled tag takes any conditioning already
+                            engine.reset_conditioning(tag)
                 self.prompts[tag] = prompt
             return
-        engines = self._planner.engines
-        # Every tag is re-cached before any is swapped in, so a failure (say, a malformed negative prompt) leaves the
-        # rollout on its old prompts.
-        scratch = {tag: _recached(self.transformer, engines, self._window, prompt, tag, self.chunk_frames,
-                                  self.commit_noise, None, self.generator) for tag, prompt in new.items()}
-        for tag, built in scratch.items():
-            for branch, engine in engines.items():
+        # Every tag of every expert is re-cached before any is swapped in, so a failure (say, a malformed negative
+        # prompt) leaves the rollout on its old prompts.
+        scratch = {(tag, i): _recached(transformer, engines, self._window, prompt, tag, self.chunk_frames,
+                                       self.commit_noise, None, self.generator)
+                   for tag, prompt in new.items() for i, (transformer, engines) in enumerate(experts)}
+        for (tag, i), built in scratch.items():
+            for branch, engine in experts[i][1].items():
                 engine.adopt_tag(built[branch], tag)
             self.prompts[tag] = new[tag]
+
+    def _expert_engines(self) -> list[tuple[torch.nn.Module, dict]]:
+        return [(e.transformer, resolve_engines(e.transformer, e.cache_engines)) for e in self._planner.experts]
 
     def _remember(self, start: int, latents: torch.Tensor) -> None:
         """Add clean latents of frames ``start...`` and drop those of frames the cache no longer holds."""

@@ -694,14 +694,35 @@ def mask_chunk_longer_than_window():
 
 
 # Rollout helpers
-@case(NotImplementedError, "two-expert Wan2.2 pipelines")
-def two_expert_pipeline():
+@case(ValueError, "needs boundary_ratio")
+def two_expert_pipeline_without_a_boundary():
+    model, text = _t2v()
+
+    class TwoExpertPipeline:
+        transformer, transformer_2 = model, _installed(tiny_wan())
+
+    return model, lambda: causal_rollout(TwoExpertPipeline(), _x(2), text, progress=False)
+
+
+@case(ValueError, "transformer_2 is the same module as transformer")
+def two_expert_pipeline_with_one_module():
     model, text = _t2v()
 
     class TwoExpertPipeline:
         transformer, transformer_2 = model, model
 
-    return model, lambda: causal_rollout(TwoExpertPipeline(), _x(2), text, progress=False)
+    return model, lambda: causal_rollout(TwoExpertPipeline(), _x(2), text, boundary_ratio=0.9, progress=False)
+
+
+@case(ValueError, "a two-expert pipeline takes cache_engines=", r"\['main'\]")
+def two_expert_pipeline_with_one_engine_map():
+    model, text = _t2v()
+
+    class TwoExpertPipeline:
+        transformer, transformer_2 = model, _installed(tiny_wan())
+
+    return model, lambda: causal_rollout(TwoExpertPipeline(), _x(2), text, boundary_ratio=0.9, progress=False,
+                                         cache_engines={"main": KVCacheEngine()})
 
 
 @case(ValueError, "frames but noise has", "condition_latents has 2 frames but noise has 3")

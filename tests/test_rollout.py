@@ -175,7 +175,7 @@ def test_rollout_argument_errors():
     class TwoExpertPipeline:
         transformer, transformer_2 = model, tiny_wan()
 
-    with pytest.raises(NotImplementedError, match="two-expert Wan2.2"):
+    with pytest.raises(ValueError, match="needs boundary_ratio"):
         causal_rollout(TwoExpertPipeline(), noise, text, progress=False)
 
 

@@ -10,7 +10,7 @@
 
 from .forward_pass import commits_together
 from .install import clear_caches, prepare_transformer, resolve_engines, uninstall_causal_kv
-from .topology import topology
+from .topology import experts_of, topology
 from .validation import check_forward_inputs, check_rollout
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "check_rollout",
     "clear_caches",
     "commits_together",
+    "experts_of",
     "prepare_transformer",
     "resolve_engines",
     "topology",

@@ -33,7 +33,7 @@ from ..positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
 from ..processors import CausalWanAttnProcessor
 from .checkpointing import unroute_checkpointing
 from .hook import HOOK_NAME, CausalForwardHook
-from .topology import Topology, topology
+from .topology import Topology, experts_of, topology
 
 # engine -> (transformer id, branch, module/processor signature) it was registered with.
 _REGISTERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -186,15 +186,19 @@ def _install_hooks(transformer: torch.nn.Module) -> None:
         rope_registry.register_hook(TemporalRoPEOffsetHook(), ROPE_HOOK_NAME)
 
 
-def clear_caches(transformer: torch.nn.Module) -> None:
-    """Clear every engine on ``transformer.kv_cache_engines`` (call at the start of each rollout)."""
-    if not any(isinstance(attn.processor, CausalWanAttnProcessor) for attn in topology(transformer).attention()):
-        raise RuntimeError(
-            f"{type(transformer).__name__} has no CausalWanAttnProcessor installed, so it has no KV cache to clear; "
-            "call transformer.set_attn_processor(CausalWanAttnProcessor()) first."
-        )
-    for engine in resolve_engines(transformer).values():
-        engine.clear()
+def clear_caches(model: torch.nn.Module) -> None:
+    """Clear every engine on ``transformer.kv_cache_engines`` (call at the start of each rollout); ``model`` is a
+    transformer or a pipeline, whose every expert (Wan2.2 A14B: ``transformer`` and ``transformer_2``) is cleared."""
+    transformers = experts_of(model)
+    for transformer in transformers:  # every expert checked before any is cleared
+        if not any(isinstance(attn.processor, CausalWanAttnProcessor) for attn in topology(transformer).attention()):
+            raise RuntimeError(
+                f"{type(transformer).__name__} has no CausalWanAttnProcessor installed, so it has no KV cache to "
+                "clear; call transformer.set_attn_processor(CausalWanAttnProcessor()) first."
+            )
+    for transformer in transformers:
+        for engine in resolve_engines(transformer).values():
+            engine.clear()
 
 
 def uninstall_causal_kv(transformer: torch.nn.Module) -> None:

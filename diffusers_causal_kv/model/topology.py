@@ -33,6 +33,14 @@ class Topology:
         return [(attn, idx) for idx, block in enumerate(self.branches[branch]) for attn in (block.attn1, block.attn2)]
 
 
+def experts_of(model) -> list[torch.nn.Module]:
+    """The transformers of ``model``: ``[transformer]`` of a pipeline or ``[model]``, or ``[transformer,
+    transformer_2]`` for a two-expert Wan2.2 (A14B) pipeline (the high-noise expert first)."""
+    first = getattr(model, "transformer", model)
+    second = getattr(model, "transformer_2", None)
+    return [first] if second is None else [first, second]
+
+
 def topology(transformer: torch.nn.Module) -> Topology:
     branches = {"main": transformer.blocks}
     vace = getattr(transformer, "vace_blocks", None)
