@@ -148,3 +148,64 @@ def inputs(model, seed: int = 3):
 @torch.no_grad()
 def output(model, kwargs) -> torch.Tensor:
     return model(**kwargs)[0]
+
+
+# ---------------------------------------------------------------------------------------------- Wan2.2 A14B experts
+def write_diffusers_experts(folder, high, low, max_shard_size="10GB") -> str:
+    """A diffusers pipeline folder of two experts (FastVideo's CausalWan2.2-I2V-A14B layout): ``transformer/``,
+    ``transformer_2/`` and a ``model_index.json`` listing both."""
+    os.makedirs(folder, exist_ok=True)
+    high.save_pretrained(os.path.join(folder, "transformer"), max_shard_size=max_shard_size)
+    low.save_pretrained(os.path.join(folder, "transformer_2"), max_shard_size=max_shard_size)
+    write_model_index(folder)
+    return str(folder)
+
+
+def write_model_index(folder, second_expert: bool = True) -> None:
+    index = {"_class_name": "WanImageToVideoPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+             "transformer_2": ["diffusers", "WanTransformer3DModel"] if second_expert else [None, None]}
+    with open(os.path.join(folder, "model_index.json"), "w") as f:
+        json.dump(index, f)
+
+
+def write_original_experts(folder, high, low) -> str:
+    """The official Wan2.2 A14B layout: ``high_noise_model/`` and ``low_noise_model/``, sharded original keys."""
+    write_safetensors_shards(os.path.join(folder, "high_noise_model"), original_state_dict(high))
+    write_safetensors_shards(os.path.join(folder, "low_noise_model"), original_state_dict(low))
+    return str(folder)
+
+
+def fp8_scaled_state(model) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(ComfyUI scaled-fp8 state dict of model, the dequantized weights under diffusers names)``: every block
+    linear weight stored as ``float8_e4m3fn`` with a float32 ``scale_weight`` and a ``scale_input``, plus the
+    ``scaled_fp8`` marker; the rest as it is."""
+    state = original_state_dict(model)
+    dequantized = {}
+    for name, module in model.named_modules():
+        if not (name.startswith("blocks.") and isinstance(module, torch.nn.Linear)):
+            continue
+        key = original_key(f"{name}.weight")
+        weight = state[key]
+        scale = weight.abs().max().float() / torch.finfo(torch.float8_e4m3fn).max
+        quantized = (weight / scale).to(torch.float8_e4m3fn)
+        state[key] = quantized
+        state[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+        state[key.removesuffix(".weight") + ".scale_input"] = torch.ones(())
+        dequantized[f"{name}.weight"] = quantized.float() * scale
+    state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return state, dequantized
+
+
+def lora_state_file(path, model) -> str:
+    """The PEFT adapter on ``model`` as a flat LoRA safetensors of original Wan names under ``diffusion_model.``
+    (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``), as Wan2.2 expert LoRAs ship."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = {}
+    for key, tensor in get_peft_model_state_dict(model).items():
+        module, _, part = key.rpartition(".lora_")
+        original = original_key(f"{module}.weight").removesuffix(".weight")
+        state[f"diffusion_model.{original}.lora_{part}"] = tensor.detach().clone().contiguous()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(state, path)
+    return str(path)

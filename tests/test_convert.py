@@ -1,7 +1,8 @@
 """Checkpoint conversion: each peer's release layout, synthesized from a tiny model, converts into a folder that stock
 ``WanTransformer3DModel.from_pretrained`` loads with no missing or unexpected keys and that computes exactly what
-the source model computes; LoRAs merge (or load as a switchable adapter) like PEFT applies them; broken and
-mismatched files fail naming the file and the keys."""
+the source model computes; LoRAs merge (or load as a switchable adapter) like PEFT applies them; fp8 weights
+dequantize to what their scales say; the two experts of a Wan2.2 A14B checkpoint convert together or not at all;
+broken and mismatched files fail naming the file and the keys."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import torch
 from convert_fixtures import (
     HEADS,
     add_random_lora,
+    fp8_scaled_state,
     inputs,
     longlive_lora_file,
+    lora_state_file,
     original_state_dict,
     output,
     save_pt,
+    wrapper_state,
+    write_diffusers_experts,
+    write_model_index,
+    write_original_experts,
     write_safetensors_shards,
     write_wrapper,
 )
@@ -37,8 +44,8 @@ def _model(seed=0, **config):
     return tiny_wan(seed=seed, rope_max_seq_len=1024, **config)
 
 
-def _load(out) -> WanTransformer3DModel:
-    model, info = WanTransformer3DModel.from_pretrained(out, output_loading_info=True)
+def _load(out, subfolder=None) -> WanTransformer3DModel:
+    model, info = WanTransformer3DModel.from_pretrained(out, subfolder=subfolder, output_loading_info=True)
     assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == []
     # from_pretrained leaves the weights in the memory-mapped file, unaligned, where CPU kernels round differently:
     # give them their own storage so that bitwise comparisons compare the arithmetic only.
@@ -275,3 +282,183 @@ def test_auto_cannot_tell_an_anonymous_wrapper(tmp_path):
         _convert(src, tmp_path / "out")
     out = _convert(src, tmp_path / "out", format="self_forcing")  # no EMA in it: the generator
     assert CausalConfig.load(out).source == "self_forcing"
+
+
+# ---------------------------------------------------------------------------------------------- LongLive 2.0 (TI2V-5B)
+def _ti2v(seed=10):
+    """A tiny Wan2.2-TI2V-5B: 48-channel latents in and out, no image embedder."""
+    return _model(seed=seed, in_channels=48, out_channels=48)
+
+
+def test_longlive2_merged_release_converts_to_a_ti2v_transformer(tmp_path):
+    model = _ti2v()
+    src = save_pt(tmp_path / "LongLive-2.0-5B" / "model_bf16.pt", {"generator": wrapper_state(model)})
+    out = _convert(src, tmp_path / "out")
+    converted = _load(out)
+    config = converted.config
+    assert (config.in_channels, config.out_channels, config.image_dim, config.added_kv_proj_dim) == (48, 48, None, None)
+    _assert_same_outputs(converted, model)
+    sampling = CausalConfig.load(out)
+    assert sampling == FORMATS["longlive2"].sampling and sampling.source == "longlive2"
+    assert (sampling.chunk_frames, sampling.window_frames, sampling.sink_frames) == (8, 32, 8)
+
+
+@pytest.fixture
+def longlive2(tmp_path):
+    """LongLive 2.0's base generator and DMD LoRA (rank 4, alpha 4: LongLive's alpha = rank) for a tiny TI2V model,
+    and the LoRA applied by PEFT as the reference."""
+    base = _ti2v(seed=11)
+    src = save_pt(tmp_path / "longlive2_models" / "generator.pt", {"generator": wrapper_state(base)})
+    reference = _ti2v(seed=11)
+    add_random_lora(reference, rank=4, alpha=4.0)
+    lora = longlive_lora_file(tmp_path / "longlive2_models" / "lora.pt", reference)
+    return base, reference, src, lora
+
+
+def test_longlive2_base_and_lora_merge(longlive2, tmp_path):
+    base, reference, src, lora = longlive2
+    out = _convert(src, tmp_path / "out", lora=lora)
+    assert CausalConfig.load(out).source == "longlive2"  # named longlive2: not LongLive 1's settings
+    kwargs = inputs(base)
+    torch.testing.assert_close(output(_load(out), kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+
+
+def test_lora_only_checkpoint_merges_onto_its_base(longlive2, tmp_path):
+    base, reference, src, lora = longlive2
+    with pytest.raises(ValueError, match="holds only LoRA weights") as caught:
+        _convert(lora, tmp_path / "refused")
+    assert "lora.pt" in str(caught.value) and "--base" in str(caught.value)
+
+    out = tmp_path / "out"
+    assert main([lora, str(out), "--base", src, "--num-attention-heads", str(HEADS)]) == 0
+    kwargs = inputs(base)
+    torch.testing.assert_close(output(_load(out), kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="merges a LoRA-only checkpoint") as caught:
+        _convert(src, tmp_path / "full", base=src)  # full weights with a base
+    assert "holds model weights" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------- Wan2.2 A14B experts
+def _expert(seed, in_channels=36):
+    """A tiny Wan2.2 I2V-A14B expert: 16 latent + 20 condition channels in, no image embedder."""
+    return _model(seed=seed, in_channels=in_channels)
+
+
+def _assert_experts(out, high, low):
+    for subfolder, source in (("transformer", high), ("transformer_2", low)):
+        converted = _load(out, subfolder)
+        assert (converted.config.in_channels, converted.config.image_dim) == (36, None)
+        _assert_same_outputs(converted, source)
+
+
+def test_fastvideo_a14b_diffusers_experts_are_validated_and_resharded(tmp_path):
+    high, low = _expert(20), _expert(21)
+    src = write_diffusers_experts(tmp_path / "CausalWan2.2-I2V-A14B-Preview-Diffusers", high, low)
+    out = tmp_path / "out"
+    assert main([src, str(out), "--num-attention-heads", str(HEADS), "--max-shard-size", "20KB"]) == 0
+    _assert_experts(out, high, low)
+    index = json.loads((out / "transformer_2" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # re-sharded
+    sampling = CausalConfig.load(out)
+    assert sampling == FORMATS["fastvideo_a14b"].sampling and sampling.source == "fastvideo_a14b"
+
+
+def test_original_wan22_experts(tmp_path):
+    high, low = _expert(22), _expert(23)
+    src = write_original_experts(tmp_path / "Wan2.2-I2V-A14B", high, low)
+    out = _convert(src, tmp_path / "out")
+    _assert_experts(out, high, low)
+    assert CausalConfig.load(out).source == "wan22_a14b"
+
+
+def test_fp8_scaled_experts_are_dequantized(tmp_path):
+    """ComfyUI's scaled-fp8 expert files: each weight is its fp8 value times its scale, to 1e-5 in float32; without
+    dtype the dequantized weights are written in bfloat16."""
+    (tmp_path / "experts").mkdir()
+    references = []
+    for seed, name in ((24, "high_noise_model"), (25, "low_noise_model")):
+        state, dequantized = fp8_scaled_state(_expert(seed))
+        save_file(state, tmp_path / "experts" / f"{name}.safetensors")
+        reference = _expert(seed)
+        reference.load_state_dict(dequantized, strict=False)
+        references.append(reference)
+    out = _convert(tmp_path / "experts", tmp_path / "out", dtype="float32")
+    kwargs = inputs(references[0])
+    for subfolder, reference in zip(("transformer", "transformer_2"), references):
+        torch.testing.assert_close(output(_load(out, subfolder), kwargs), output(reference, kwargs), atol=1e-5,
+                                   rtol=1e-5)
+
+    out = pathlib.Path(_convert(tmp_path / "experts", tmp_path / "bf16"))
+    with safe_open(out / "transformer" / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert f.get_slice("blocks.0.attn1.to_q.weight").get_dtype() == "BF16"
+
+
+def test_expert_loras_merge_onto_the_two_expert_base(tmp_path):
+    high, low = _expert(26), _expert(27)
+    base = write_diffusers_experts(tmp_path / "Wan2.2-I2V-A14B-Diffusers", high, low)
+    references = []
+    for seed, name in ((26, "high_noise_model"), (27, "low_noise_model")):
+        reference = _expert(seed)
+        add_random_lora(reference, rank=4, alpha=4.0, seed=seed)
+        lora_state_file(tmp_path / "loras" / f"{name}.safetensors", reference)
+        references.append(reference)
+    with pytest.raises(ValueError, match="holds only LoRA weights") as caught:
+        _convert(tmp_path / "loras", tmp_path / "refused")
+    assert "high_noise_model.safetensors" in str(caught.value)
+    assert not os.path.exists(tmp_path / "refused")
+
+    out = _convert(tmp_path / "loras", tmp_path / "out", base=base)
+    kwargs = inputs(high)
+    for subfolder, reference in zip(("transformer", "transformer_2"), references):
+        torch.testing.assert_close(output(_load(out, subfolder), kwargs), output(reference, kwargs), atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_a_missing_expert_is_named(tmp_path, layout):
+    src = tmp_path / "experts"
+    if layout == "original":
+        write_safetensors_shards(src / "high_noise_model", original_state_dict(_expert(28)))
+        missing = "low_noise_model"
+    else:
+        _expert(28).save_pretrained(src / "transformer_2")
+        write_model_index(src)
+        missing = "transformer/"
+    with pytest.raises(ValueError, match="a Wan2.2 A14B checkpoint holds two experts") as caught:
+        _convert(src, tmp_path / "out")
+    assert missing in str(caught.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_one_model_pipeline_folder_is_not_two_experts(tmp_path):
+    _expert(29).save_pretrained(tmp_path / "pipeline" / "transformer")
+    write_model_index(tmp_path / "pipeline", second_expert=False)
+    with pytest.raises(ValueError, match="holds no transformer weights"):
+        _convert(tmp_path / "pipeline", tmp_path / "out")
+
+
+def test_experts_of_an_unknown_layout(tmp_path):
+    for name in ("transformer", "transformer_2"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        save_file({"encoder.conv1.weight": torch.zeros(1)}, tmp_path / "src" / name / "vae.safetensors")
+    with pytest.raises(ValueError, match="not a Wan checkpoint layout the converter knows") as caught:
+        _convert(tmp_path / "src", tmp_path / "out")
+    assert "vae.safetensors" in str(caught.value) and "from_pretrained" not in str(caught.value)
+
+
+def test_experts_of_two_models_are_refused(tmp_path):
+    src = write_diffusers_experts(tmp_path / "src", _expert(30), _expert(31, in_channels=16))
+    with pytest.raises(ValueError, match="experts do not share one config") as caught:
+        _convert(src, tmp_path / "out")
+    assert "in_channels: 36 vs 16" in str(caught.value)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_packed_quantized_weights_are_refused(tmp_path):
+    state = original_state_dict(_model())
+    state["blocks.0.self_attn.q.weight"] = torch.zeros(24, 12, dtype=torch.uint8)
+    src = tmp_path / "model_4o6.safetensors"
+    save_file(state, src)
+    with pytest.raises(ValueError, match="the converter cannot dequantize") as caught:
+        _convert(src, tmp_path / "out")
+    assert "blocks.0.self_attn.q.weight (torch.uint8)" in str(caught.value)

@@ -14,10 +14,14 @@ from .peers import FORMAT_NAMES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m diffusers_causal_kv.convert",
-        description="Convert a causal Wan checkpoint (Self-Forcing, Causal-Forcing, CausVid, LongLive, Krea, original "
-                    "Wan layout) into a diffusers WanTransformer3DModel folder with its causal_config.json.",
+        description="Convert a causal Wan checkpoint (Self-Forcing, Causal-Forcing, CausVid, LongLive 1 and 2, Krea, "
+                    "FastVideo's CausalWan2.2-I2V-A14B, original Wan layout) into a diffusers WanTransformer3DModel "
+                    "folder (two, transformer/ and transformer_2/, for a Wan2.2 A14B model) with its "
+                    "causal_config.json.",
     )
-    parser.add_argument("src", help="the checkpoint file (.pt, .safetensors, *.safetensors.index.json) or folder")
+    parser.add_argument("src", help="the checkpoint file (.pt, .safetensors, *.safetensors.index.json) or folder (a "
+                                    "folder of two Wan2.2 A14B experts: transformer/ and transformer_2/, or "
+                                    "high_noise_model/ and low_noise_model/)")
     parser.add_argument("out", help="the diffusers folder to write")
     parser.add_argument("--format", default="auto", choices=FORMAT_NAMES,
                         help="the checkpoint's origin (default: from its layout and file name)")
@@ -28,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-mode", default="merge", choices=LORA_MODES,
                         help="merge the LoRA into the weights, or write it as a switchable adapter")
     parser.add_argument("--lora-alpha", type=float, help="the LoRA alpha (default: its rank, as LongLive's)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as stored)")
+    parser.add_argument("--base", help="for a LoRA-only SRC (one LoRA, or a folder of the two experts' LoRAs): the "
+                                       "checkpoint it was trained on (for two experts, the folder of both)")
+    parser.add_argument("--dtype", choices=list(DTYPES),
+                        help="cast the weights (default: as stored; bfloat16 for weights dequantized from fp8)")
     parser.add_argument("--max-shard-size", default="10GB", help="largest safetensors shard (default: 10GB)")
     parser.add_argument("--num-attention-heads", type=int, help="heads (default: width / 128, as every Wan release)")
     parser.add_argument("--attention-head-dim", type=int, help="head dim (default: 128)")
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = convert_checkpoint(
             args.src, args.out, args.format, ema=args.ema, lora=args.lora, lora_mode=args.lora_mode,
-            lora_alpha=args.lora_alpha, dtype=args.dtype, max_shard_size=args.max_shard_size,
+            lora_alpha=args.lora_alpha, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
             num_attention_heads=args.num_attention_heads, attention_head_dim=args.attention_head_dim,
             causal_config=causal_config,
         )

@@ -3,14 +3,16 @@
 The steps, each refusing what it cannot do with an error that names the file and the keys:
 
 1. read the file lazily (:mod:`.reading`) and tell its layout: a wrapper ``.pt`` of ``generator``/``generator_ema``
-   entries, or one flat state dict;
+   entries, one flat state dict, or a folder holding the two experts of a Wan2.2 A14B model (:mod:`.experts`);
 2. pick the peer (``format``, or from the layout and the released file's name) and, in a wrapper, the entry the
    peer's inference loads (``ema``);
-3. strip the training wrappers' prefixes and rename the keys with diffusers' own conversion (:mod:`.layout`);
+3. dequantize fp8 weights (:mod:`.quantized`), strip the training wrappers' prefixes and rename the keys with
+   diffusers' own conversion (:mod:`.layout`); an expert may already be in diffusers naming;
 4. infer the config from the tensor shapes, build the model on the meta device, and check that the renamed keys are
-   exactly the model's, with the model's shapes;
+   exactly the model's, with the model's shapes; a LoRA-only checkpoint takes its weights from ``base``;
 5. load the tensors (cast to ``dtype``, a LoRA merged in float32) into the model with ``assign=True``, so the
-   weights exist once, and ``save_pretrained`` it in safetensors shards of at most ``max_shard_size``;
+   weights exist once, and ``save_pretrained`` it in safetensors shards of at most ``max_shard_size`` (the two
+   experts into ``transformer/`` and ``transformer_2/``, both checked before either is written);
 6. write the LoRA as an adapter (``lora_mode="adapter"``) and ``causal_config.json`` with the peer's sampling
    settings (:mod:`.peers`).
 """
@@ -20,15 +22,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 from diffusers import WanTransformer3DModel
 
 from ..causal_config import CausalConfig
-from .layout import diffusers_names, infer_config, is_original_wan_layout
-from .lora import LoraLayer, check_lora, merged_weights, read_lora, save_lora_adapter
-from .peers import FLAT, FORMAT_NAMES, FORMATS, WRAPPER, PeerFormat
+from .experts import OUT_NAMES, expert_sources
+from .layout import diffusers_names, infer_config, is_diffusers_layout, is_original_wan_layout
+from .lora import LoraLayer, check_lora, is_lora_only, merged_weights, read_lora, save_lora_adapter
+from .peers import EXPERTS, FLAT, FORMAT_NAMES, FORMATS, WRAPPER, PeerFormat
+from .quantized import dequantized
 from .reading import TensorMap, read_checkpoint, strip_wrapper_prefixes
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,7 @@ def convert_checkpoint(
     lora: str | os.PathLike | None = None,
     lora_mode: str = "merge",
     lora_alpha: float | None = None,
+    base: str | os.PathLike | None = None,
     dtype: torch.dtype | str | None = None,
     max_shard_size: int | str = "10GB",
     num_attention_heads: int | None = None,
@@ -54,17 +60,22 @@ def convert_checkpoint(
 ) -> str:
     """Convert a causal Wan checkpoint into a diffusers model folder; returns ``out``.
 
-    ``WanTransformer3DModel.from_pretrained(out)`` loads the result, and ``CausalConfig.load(out)`` its sampling
-    settings (``out/causal_config.json``).
+    ``WanTransformer3DModel.from_pretrained(out)`` loads the result (for a Wan2.2 A14B checkpoint:
+    ``from_pretrained(out, subfolder="transformer")`` and ``subfolder="transformer_2"``), and
+    ``CausalConfig.load(out)`` its sampling settings (``out/causal_config.json``).
 
     Args:
-        src: the downloaded checkpoint: a ``.pt`` (Self-Forcing, Causal-Forcing, CausVid, LongLive's base), a
-            ``.safetensors`` (Krea, Wan2.1-1.3B), a ``*.safetensors.index.json`` of shards (Wan2.1-14B), or a folder
-            holding one of the last two.
+        src: the downloaded checkpoint: a ``.pt`` (Self-Forcing, Causal-Forcing, CausVid, LongLive's base, LongLive
+            2.0's ``model_bf16.pt``), a ``.safetensors`` (Krea, Wan2.1-1.3B), a ``*.safetensors.index.json`` of
+            shards (Wan2.1-14B), a folder holding one of the last two, or a folder holding the two experts of a
+            Wan2.2 A14B model (``transformer/`` and ``transformer_2/``, or ``high_noise_model/`` and
+            ``low_noise_model/``: FastVideo's CausalWan2.2-I2V-A14B, the official Wan2.2 releases). fp8 weights
+            (plain or ComfyUI's scaled fp8) are dequantized.
         out: the folder to write (created if needed).
-        format: ``"auto"`` or one of ``self_forcing``, ``causal_forcing``, ``causvid``, ``longlive``, ``krea``,
-            ``wan``; it selects the expected layout, the default ``ema`` and the sampling settings. ``"auto"`` tells
-            the layout from the file and the peer from the released file's name.
+        format: ``"auto"`` or one of ``self_forcing``, ``causal_forcing``, ``causvid``, ``longlive2``, ``longlive``,
+            ``krea``, ``fastvideo_a14b``, ``wan22_a14b``, ``wan``; it selects the expected layout, the default
+            ``ema`` and the sampling settings. ``"auto"`` tells the layout from the file and the peer from the
+            released file's name.
         ema: convert ``generator_ema`` (``True``) or ``generator`` (``False``) of a wrapper checkpoint; ``None``
             takes what the peer's inference loads (Self-Forcing: EMA; the others: not), falling back to
             ``generator`` when a checkpoint has no EMA weights.
@@ -73,8 +84,11 @@ def convert_checkpoint(
             ``out/pytorch_lora_weights.safetensors``, a switchable PEFT adapter:
             ``transformer.load_lora_adapter(out, weight_name=LORA_WEIGHT_NAME, prefix="transformer")``.
         lora_alpha: the LoRA's alpha (its scale is ``alpha / rank``); default the rank, as LongLive's config has it.
+        base: for a LoRA-only ``src`` (one LoRA, or a folder of the two experts' LoRAs): the checkpoint it was
+            trained on (for two experts, a folder of both), whose weights the LoRA is applied to.
         dtype: cast the weights (``torch.bfloat16`` or ``"bfloat16"``, ...); modules diffusers keeps in float32
-            (norms, time embedder, modulation tables) stay float32. Default: as stored.
+            (norms, time embedder, modulation tables) stay float32. Default: as stored, and bfloat16 for weights
+            dequantized from fp8.
         max_shard_size: largest safetensors shard, as for ``save_pretrained``.
         num_attention_heads / attention_head_dim: the head split of the model width (the weights do not spell it
             out); default a head dim of 128, as in every Wan release. Tiny test models pass their own.
@@ -85,39 +99,161 @@ def convert_checkpoint(
         raise ValueError(f"format must be one of {list(FORMAT_NAMES)}, got {format!r}.")
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {list(LORA_MODES)}, got {lora_mode!r}.")
-    dtype = _resolve_dtype(dtype)
+    options = _Options(lora_mode, lora_alpha, _resolve_dtype(dtype), max_shard_size, num_attention_heads,
+                       attention_head_dim)
+    out = os.fspath(out)
+
+    experts = expert_sources(os.fspath(src)) if os.path.isdir(src) else None
+    if experts is not None:
+        return _convert_experts(os.fspath(src), experts, out, format, lora, base, options, causal_config)
+    if base is not None:
+        _check_lora_only(src, lora)
+        src, lora = base, src
 
     origin, contents = read_checkpoint(src)
+    if is_lora_only(contents):
+        _refuse_lora_only(origin, contents)
     layout = _layout_of(origin, contents)
     peer = _pick_format(format, origin, layout, lora)
     sampling = _sampling(peer, causal_config)  # a bad setting fails before any work
     state, entry = _select_state(origin, contents, layout, peer, ema)
     where = f"{origin}[{entry!r}]" if entry else origin
-    stored, model = _mapping(where, state, num_attention_heads, attention_head_dim)
-    expected, config = model.state_dict(), model.config
-    _check_shapes(where, expected, stored, state)
+    model = _prepare(where, state, lora, options)
+    _write(model, out, options)
+    sampling.save(out)
+    logger.info("converted %s (%s) -> %s; sampling %s", where, peer.title, out, sampling.to_dict())
+    return out
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The conversion options every model of a checkpoint is written with."""
+
+    lora_mode: str
+    lora_alpha: float | None
+    dtype: torch.dtype | None
+    max_shard_size: int | str
+    heads: int | None
+    head_dim: int | None
+
+
+@dataclass
+class _Prepared:
+    """One model, checked and ready to write: its state, the diffusers key -> stored key map, the model on the meta
+    device, its LoRA layers, and whether its weights were dequantized from fp8."""
+
+    where: str
+    state: TensorMap
+    stored: dict[str, str]
+    model: WanTransformer3DModel
+    layers: dict[str, LoraLayer]
+    was_fp8: bool
+
+
+def _prepare(where: str, state: TensorMap, lora, options: _Options, accept_diffusers: bool = False) -> _Prepared:
+    """Check that ``state`` (and ``lora``) make a complete ``WanTransformer3DModel``; nothing is loaded yet."""
+    state, was_fp8 = dequantized(state)
+    stored, model = _mapping(where, state, options.heads, options.head_dim, accept_diffusers)
+    _check_shapes(where, model.state_dict(), stored, state)
     layers: dict[str, LoraLayer] = {}
     if lora is not None:
-        lora_origin, layers = read_lora(lora, lora_alpha)
+        lora_origin, layers = read_lora(lora, options.lora_alpha)
         check_lora(lora_origin, layers, model)
+    return _Prepared(where, state, stored, model, layers, was_fp8)
 
-    merged = merged_weights(layers, lambda key: state[stored[key]]) if lora_mode == "merge" else {}
+
+def _write(prepared: _Prepared, out: str, options: _Options) -> None:
+    """Load the weights of a prepared model (merging its LoRA, casting) and save it into ``out``."""
+    state, stored, model, layers = prepared.state, prepared.stored, prepared.model, prepared.layers
+    dtype = options.dtype or (torch.bfloat16 if prepared.was_fp8 else None)
+    merged = merged_weights(layers, lambda key: state[stored[key]]) if options.lora_mode == "merge" else {}
     keep_fp32 = tuple(model._keep_in_fp32_modules or ()) if dtype is not None else ()
     weights = {}
-    for key in expected:
+    for key in model.state_dict():
         tensor, stored_dtype = merged[key] if key in merged else (state[stored[key]], None)
         weights[key] = _cast(key, tensor, dtype or stored_dtype or tensor.dtype, keep_fp32).contiguous()
     model.load_state_dict(weights, strict=True, assign=True)  # the tensors become the parameters: no copy
 
-    out = os.fspath(out)
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
-    if layers and lora_mode == "adapter":
+    model.save_pretrained(out, max_shard_size=options.max_shard_size, safe_serialization=True)
+    if layers and options.lora_mode == "adapter":
         logger.info("wrote the LoRA adapter to %s", save_lora_adapter(out, layers, dtype))
+    config = model.config
+    logger.info("wrote %s -> %s: %d layers, %d heads of %d", prepared.where, out, config["num_layers"],
+                config["num_attention_heads"], config["attention_head_dim"])
+
+
+def _convert_experts(src: str, experts: tuple[str, str], out: str, format: str, lora, base, options: _Options,
+                     causal_config) -> str:
+    """Convert the two experts of a Wan2.2 A14B checkpoint into ``out/transformer`` and ``out/transformer_2``."""
+    if lora is not None:
+        raise ValueError(
+            f"{src} holds two experts, and lora= (--lora) applies one LoRA to one model: put the experts' LoRAs "
+            "in a folder as SRC (transformer/ and transformer_2/, or high_noise_model.safetensors and "
+            "low_noise_model.safetensors) and pass the two-expert base as base= (--base)."
+        )
+    peer = _pick_format(format, src, EXPERTS, None)
+    sampling = _sampling(peer, causal_config)
+    bases = None
+    if base is not None:
+        bases = expert_sources(os.fspath(base)) if os.path.isdir(base) else None
+        if bases is None:
+            raise ValueError(
+                f"base {base} holds no Wan2.2 A14B experts (transformer/ and transformer_2/, or high_noise_model/ "
+                f"and low_noise_model/) to merge the experts' LoRAs of {src} onto; pass the base model's folder."
+            )
+    prepared = []
+    for index, path in enumerate(experts):
+        where, state = _read_expert(path, peer)
+        if bases is None:
+            prepared.append(_prepare(where, state, None, options, accept_diffusers=True))
+            continue
+        if not is_lora_only(state):
+            _refuse_base(path, "holds model weights, not only a LoRA")
+        prepared.append(_prepare(*_read_expert(bases[index], peer), path, options, accept_diffusers=True))
+    configs = [dict(p.model.config) for p in prepared]
+    if configs[0] != configs[1]:
+        differing = [f"{key}: {configs[0][key]} vs {configs[1][key]}" for key in sorted(configs[0])
+                     if configs[0][key] != configs[1][key]]
+        raise ValueError(
+            f"{src}: the two experts do not share one config ({'; '.join(differing)}); both experts of a Wan2.2 "
+            "A14B model have the same architecture: pass the two experts of one release."
+        )
+    for name, model in zip(OUT_NAMES, prepared):
+        _write(model, os.path.join(out, name), options)
     sampling.save(out)
-    logger.info("converted %s (%s) -> %s: %d layers, %d heads of %d; sampling %s", where, peer.title, out,
-                config["num_layers"], config["num_attention_heads"], config["attention_head_dim"], sampling.to_dict())
+    logger.info("converted the experts of %s (%s) -> %s; sampling %s", src, peer.title, out, sampling.to_dict())
     return out
+
+
+def _read_expert(path: str, peer: PeerFormat) -> tuple[str, TensorMap]:
+    """``(where, state)`` of one expert: its file(s), and the state dict (a wrapper's generator entry, if any)."""
+    origin, contents = read_checkpoint(path)
+    state, entry = _select_state(origin, contents, _layout_of(origin, contents), peer, None)
+    return (f"{origin}[{entry!r}]" if entry else origin), state
+
+
+def _check_lora_only(src, lora) -> None:
+    """Refuse ``base=`` unless ``src`` holds only LoRA weights and no ``lora=`` comes with it."""
+    if lora is None and is_lora_only(read_checkpoint(src)[1]):
+        return
+    _refuse_base(src, "comes with lora= too" if lora is not None else "holds model weights, not only a LoRA")
+
+
+def _refuse_base(src, reason: str) -> NoReturn:
+    raise ValueError(
+        f"base= (--base) merges a LoRA-only checkpoint onto its base model, but {src} {reason}; convert a full "
+        "checkpoint without base=, or pass the LoRA as SRC (or as lora= with the base as SRC)."
+    )
+
+
+def _refuse_lora_only(where: str, contents: Mapping) -> NoReturn:
+    sample = sorted(map(str, contents))[:4]
+    raise ValueError(
+        f"{where} holds only LoRA weights ({sample} ...), not a model: pass the checkpoint it was trained on as "
+        "base= (--base) (for two experts, the folder of both), or that checkpoint as SRC and this file as lora= "
+        "(--lora)."
+    )
 
 
 def _resolve_dtype(dtype) -> torch.dtype | None:
@@ -158,14 +294,18 @@ def _pick_format(format: str, origin: str, layout: str, lora) -> PeerFormat:
                 "pass the peer's released file, or format='auto'."
             )
         return peer
-    if lora is not None and layout == WRAPPER:
-        return FORMATS["longlive"]  # a base checkpoint with a LoRA beside it is LongLive's release
     released_as = "/".join(os.path.abspath(origin).lower().split(os.sep)[-2:])  # file name and its folder
-    for peer in FORMATS.values():
-        if peer.layout == layout and any(hint in released_as for hint in peer.hints):
-            return peer
+    named = [peer for peer in FORMATS.values()
+             if peer.layout == layout and any(hint in released_as for hint in peer.hints)]
+    if lora is not None and layout == WRAPPER:
+        # a base checkpoint with a LoRA beside it is LongLive's release, 2.0 when its name says so
+        return FORMATS["longlive2"] if FORMATS["longlive2"] in named else FORMATS["longlive"]
+    if named:
+        return named[0]
     if layout == FLAT:
         return FORMATS["wan"]
+    if layout == EXPERTS:
+        return FORMATS["wan22_a14b"]
     candidates = [name for name, peer in FORMATS.items() if peer.layout == WRAPPER]
     raise ValueError(
         f"cannot tell which causal checkpoint {origin} is: a wrapper .pt could be any of {candidates}, and its "
@@ -174,8 +314,9 @@ def _pick_format(format: str, origin: str, layout: str, lora) -> PeerFormat:
 
 
 def _describe(layout: str) -> str:
-    return ("a wrapper .pt of generator/generator_ema entries" if layout == WRAPPER
-            else "one flat state dict (safetensors or .pt)")
+    return {WRAPPER: "a wrapper .pt of generator/generator_ema entries",
+            FLAT: "one flat state dict (safetensors or .pt)",
+            EXPERTS: "a folder of two Wan2.2 A14B experts"}[layout]
 
 
 def _select_state(origin: str, contents, layout: str, peer: PeerFormat, ema: bool | None):
@@ -205,11 +346,11 @@ def _select_state(origin: str, contents, layout: str, peer: PeerFormat, ema: boo
     )
 
 
-def _refuse_unknown_layout(where: str, keys: list, kind: str | None = None) -> NoReturn:
+def _refuse_unknown_layout(where: str, keys: list, kind: str | None = None, diffusers_hint: bool = True) -> NoReturn:
     sample = sorted(map(str, keys))[:8]
     looks_diffusers = any(str(k).startswith(("condition_embedder.", "proj_out.")) or ".attn1." in str(k) for k in keys)
-    hint = " It looks like a diffusers state dict already: load its folder with from_pretrained." if looks_diffusers \
-        else ""
+    hint = " It looks like a diffusers state dict already: load its folder with from_pretrained." \
+        if looks_diffusers and diffusers_hint else ""
     raise ValueError(
         f"{where} is not a Wan checkpoint layout the converter knows: expected the original Wan keys "
         "(patch_embedding.weight, blocks.<i>.self_attn.q.weight, head.head.weight, ...), possibly under 'model.' "
@@ -218,15 +359,22 @@ def _refuse_unknown_layout(where: str, keys: list, kind: str | None = None) -> N
     )
 
 
-def _mapping(where: str, state: TensorMap, heads: int | None, head_dim: int | None):
+def _mapping(where: str, state: TensorMap, heads: int | None, head_dim: int | None, accept_diffusers: bool = False):
     """``(diffusers key -> key in the file, the model on the meta device)``; refuses a state dict whose renamed keys
-    are not exactly those of the model its shapes describe."""
+    are not exactly those of the model its shapes describe. ``accept_diffusers``: a state dict already in diffusers
+    naming is taken as it is (the experts of a diffusers pipeline folder)."""
     names, collisions = strip_wrapper_prefixes(state)
-    if not is_original_wan_layout(names):
-        _refuse_unknown_layout(where, list(state))
-    renamed, unmapped = diffusers_names(names)
+    if is_original_wan_layout(names):
+        renamed, unmapped = diffusers_names(names)
+        config = infer_config(lambda key: state.shape(names[key]), names, heads, head_dim)
+    elif accept_diffusers and is_diffusers_layout(names):
+        renamed, unmapped = {key: key for key in names}, []
+        config = infer_config(lambda key: state.shape(names[key]), names, heads, head_dim, diffusers_keys=True)
+    elif is_lora_only(names):
+        _refuse_lora_only(where, state)
+    else:
+        _refuse_unknown_layout(where, list(state), diffusers_hint=not accept_diffusers)
     stored = {key: names[clean] for key, clean in renamed.items()}
-    config = infer_config(lambda key: state.shape(names[key]), names, heads, head_dim)
     with torch.device("meta"):  # no memory: the weights are assigned later
         model = WanTransformer3DModel(**config)
     expected = model.state_dict().keys()

@@ -31,6 +31,19 @@ LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 LORA_ENTRY = "generator_lora"  # LongLive's lora.pt
 PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME_SEGMENT = re.compile(r"\.(lora_[AB])\.(?!weight$|bias$)[^.]+\.(weight|bias)$")  # PEFT's ".default."
+LORA_KEY = re.compile(r"\.lora_(A|B|down|up)\.")  # PEFT's and kohya's names of the two LoRA matrices
+
+
+def is_lora_only(contents) -> bool:
+    """Whether a checkpoint's contents are a LoRA and no model: LongLive's ``lora.pt`` (a ``generator_lora`` entry
+    and no generator), or a state dict of LoRA layers (PEFT's ``lora_A``/``lora_B``, kohya's ``lora_down``/
+    ``lora_up``) without the model's own weights."""
+    if not isinstance(contents, Mapping):
+        return False
+    if isinstance(contents.get(LORA_ENTRY), Mapping):
+        return not ({"generator", "generator_ema", "model"} & contents.keys())
+    keys = [str(key) for key in contents]
+    return any(LORA_KEY.search(key) for key in keys) and not any(k.endswith("patch_embedding.weight") for k in keys)
 
 
 @dataclass

@@ -5,13 +5,15 @@ upstream repository was not available to read, a fork that keeps the file unchan
 entry says how the weights are wrapped (``layout``), which of the wrapper's entries the peer's inference loads by
 default (``ema``), and the :class:`~diffusers_causal_kv.CausalConfig` its inference script and config use.
 
-Two layouts exist:
+Three layouts exist:
 
 * ``"wrapper"``: a ``torch.save`` of ``{"generator": ..., "generator_ema": ..., "critic": ...}`` (CausVid has no
   EMA; CausVid's I2V and ODE checkpoints use ``"model"``), each the FSDP full state dict of the peer's
   ``WanDiffusionWrapper``, so every key is ``model.<original Wan key>``;
 * ``"flat"``: one state dict in the original Wan key layout, in safetensors (possibly sharded, with an index json),
-  possibly under ``model.`` (Krea ships its wrapper's state dict).
+  possibly under ``model.`` (Krea ships its wrapper's state dict);
+* ``"experts"``: the two experts of a Wan2.2 A14B model in one folder (:mod:`.experts`), each a flat state dict in
+  the original or the diffusers naming, or a LoRA of one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from ..causal_config import CausalConfig
 
-WRAPPER, FLAT = "wrapper", "flat"
+WRAPPER, FLAT, EXPERTS = "wrapper", "flat", "experts"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class PeerFormat:
     name: str
     title: str
     layout: str
-    """``"wrapper"`` or ``"flat"`` (see the module docstring)."""
+    """``"wrapper"``, ``"flat"`` or ``"experts"`` (see the module docstring)."""
     ema: bool
     """Whether the peer's documented inference command loads ``generator_ema`` (else ``generator``)."""
     sampling: CausalConfig
@@ -78,6 +80,26 @@ FORMATS: dict[str, PeerFormat] = {
                               guidance_scale=1.0, num_frames=81, source="causvid"),
         hints=("causvid", "autoregressive_checkpoint"),
     ),
+    # NVlabs/LongLive 2.0 (main branch; its docs LongLive2/docs/index.html and README.md read upstream, the configs
+    # and pipeline read in the forks zonghui-liu-opt/LongLive_cats, yyang181/LongLive and fork-the-planet/
+    # NVlabs___LongLive): Wan2.2-TI2V-5B (wan_5b/modules/causal_model.py keeps Wan's module names, no image
+    # embedder). The README's quick start loads Efficient-Large-Model/LongLive-2.0-5B model_bf16.pt, a merged BF16
+    # checkpoint, with utils/inference_utils.py load_generator_checkpoint: entry 'generator' (use_ema false) of a
+    # torch.save, loaded into the WanDiffusionWrapper (keys `model.*`; a third-party audit script reads
+    # state['generator']['model.blocks.0.self_attn.q.weight']). configs/inference.yaml: timestep_shift 5.0,
+    # num_frame_per_block 8, local_attn_size 32 (the KV cache holds 32 latent frames, the current chunk included),
+    # sink_size 8 with multi_shot_sink (the first 8 frames stay), sampling_steps 4, guidance_scale 1.0, latents
+    # [128, 48, 44, 80] (128 latent frames = 509 video frames at 704x1280, 24 fps), commits at timestep 0.
+    # Its pipeline/causal_diffusion_inference.py samples each chunk with a 4-step UniPC solver at shift 5; its DMD
+    # training rolls out 4 few-step x0 predictions at the same noise levels (linspace(1, 0, 5)[:-1] shifted by 5,
+    # i.e. these warped timesteps), which is what CausalConfig can state. Base + LoRA exports: rank 128, alpha 128.
+    "longlive2": PeerFormat(
+        "longlive2", "LongLive 2.0 (Wan2.2-TI2V-5B)", WRAPPER, ema=False,
+        sampling=CausalConfig(chunk_frames=8, timesteps=SELF_FORCING_STEPS, shift=5.0, context_noise=0.0,
+                              guidance_scale=1.0, num_frames=509, window_frames=32, sink_frames=8,
+                              source="longlive2"),
+        hints=("longlive-2", "longlive2", "longlive_2"),
+    ),
     # NVlabs/LongLive v1.0 (read in the fork ywlq/LongLive): inference.py loads longlive_base.pt['generator']
     # (use_ema: false), wraps generator.model with PEFT (utils/lora_utils.py: every nn.Linear inside a
     # CausalWanAttentionBlock) and loads lora.pt['generator_lora'] with peft.set_peft_model_state_dict.
@@ -106,6 +128,32 @@ FORMATS: dict[str, PeerFormat] = {
                               sink_frames=1, positions="relative", source="krea"),
         hints=("krea",),
     ),
+    # hao-ai-lab/FastVideo: the Hugging Face repo FastVideo/CausalWan2.2-I2V-A14B-Preview-Diffusers (FastVideo's
+    # examples call it FastVideo/SFWan2.2-I2V-A14B-Preview-Diffusers; base model Wan-AI/Wan2.2-I2V-A14B, 57.2 GB:
+    # two bf16 experts) is a diffusers pipeline folder: transformer/ (high noise) and transformer_2/ (low noise), in
+    # diffusers key names (fastvideo/configs/models/dits/wanvideo.py maps those names onto FastVideo's modules).
+    # fastvideo/configs/pipelines/wan.py SelfForcingWan2_2_T2V480PConfig (which FastVideo's registry assigns to
+    # this repo): flow_shift 12.0, boundary_ratio 0.875, dmd_denoising_steps [1000, 850, 700, 550, 350, 275, 200,
+    # 125], warp_denoising_step true; configs/sample SelfForcingWan2_2_T2V_A14B_480P_SamplingParam: 81 frames at
+    # 448x832 (its example: 480x832), 16 fps. fastvideo/pipelines/stages/causal_denoising.py
+    # (CausalDMDDenosingStage): chunks of num_frames_per_block (3 by default), the image latent committed first as
+    # a chunk of 1 into both experts' caches, each step run by the high-noise expert while the warped timestep is
+    # >= 875 (its prediction taken to the boundary's noise level and re-noised from there: pred_noise_to_x_bound,
+    # add_noise_high; the low-noise expert's to x0), commits at context_noise 0 into both experts' caches, no
+    # classifier-free guidance. The boundary, the first chunk of 1 and the boundary parameterisation are not
+    # CausalConfig settings.
+    "fastvideo_a14b": PeerFormat(
+        "fastvideo_a14b", "FastVideo CausalWan2.2-I2V-A14B (preview)", EXPERTS, ema=False,
+        sampling=CausalConfig(chunk_frames=3, timesteps=(1000.0, 850.0, 700.0, 550.0, 350.0, 275.0, 200.0, 125.0),
+                              shift=12.0, context_noise=0.0, guidance_scale=1.0, num_frames=81,
+                              source="fastvideo_a14b"),
+        hints=("causalwan2.2", "causalwan2_2", "sfwan2.2", "sfwan2_2"),
+    ),
+    # The official Wan2.2 A14B experts (Wan-AI/Wan2.2-I2V-A14B: high_noise_model/ and low_noise_model/ in the
+    # original layout; or the -Diffusers repos' transformer/ and transformer_2/). Not trained causally: the sampling
+    # settings are CausalConfig's defaults.
+    "wan22_a14b": PeerFormat("wan22_a14b", "Wan2.2 A14B experts", EXPERTS, ema=False,
+                             sampling=CausalConfig(source="wan22_a14b")),
     # Any original-layout Wan transformer (the official Wan2.1 releases: diffusion_pytorch_model*.safetensors with
     # an index json). It was not trained causally: the sampling settings are CausalConfig's defaults.
     "wan": PeerFormat("wan", "original Wan layout", FLAT, ema=False, sampling=CausalConfig(source="wan")),

@@ -3,8 +3,8 @@
 ``.pt``/``.pth``/``.bin`` files are opened with ``torch.load(mmap=True, weights_only=True)``: tensors stay views of
 the memory-mapped file until something copies them, and no pickled code runs. Safetensors files (one file, a sharded
 set with its ``*.safetensors.index.json``, or a folder holding either) are read lazily, one tensor at a time.
-:class:`TensorMap` hides the difference: a read-only mapping from key to tensor that also answers shapes without
-loading anything.
+:class:`TensorMap` hides the difference: a read-only mapping from key to tensor that also answers shapes and dtypes
+without loading anything, and holds tensors computed on access (:class:`Derived`, e.g. dequantized fp8 weights).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,13 @@ INDEX_SUFFIX = ".safetensors.index.json"
 INNER_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 OUTER_PREFIXES = ("module.", "model.", "diffusion_model.")
 
+# The dtype names of the safetensors header; a name missing here (a newer packed type) reads as None: not a float.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
 
 @dataclass(frozen=True)
 class _Stored:
@@ -34,10 +41,20 @@ class _Stored:
     name: str
 
 
+@dataclass(frozen=True)
+class Derived:
+    """A tensor computed from stored ones when it is accessed (a dequantized weight): its shape, dtype and loader."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+
 class TensorMap(Mapping):
     """Key -> tensor, loaded on access; :meth:`shape` reads only metadata. ``origin`` names the file(s) in errors."""
 
-    def __init__(self, origin: str, entries: Mapping[str, torch.Tensor | _Stored], handles: dict | None = None):
+    def __init__(self, origin: str, entries: Mapping[str, torch.Tensor | _Stored | Derived],
+                 handles: dict | None = None):
         self.origin = origin
         self._entries = dict(entries)
         self._handles = {} if handles is None else handles  # safetensors file -> open handle, shared by views
@@ -54,13 +71,24 @@ class TensorMap(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         entry = self._entries[key]
-        return entry if isinstance(entry, torch.Tensor) else self._handle(entry.path).get_tensor(entry.name)
+        if isinstance(entry, torch.Tensor):
+            return entry
+        if isinstance(entry, Derived):
+            return entry.load()
+        return self._handle(entry.path).get_tensor(entry.name)
 
     def shape(self, key: str) -> tuple[int, ...]:
         entry = self._entries[key]
-        if isinstance(entry, torch.Tensor):
+        if isinstance(entry, (torch.Tensor, Derived)):
             return tuple(entry.shape)
         return tuple(self._handle(entry.path).get_slice(entry.name).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype, read from the header for safetensors; ``None`` for a type torch has no name for."""
+        entry = self._entries[key]
+        if isinstance(entry, (torch.Tensor, Derived)):
+            return entry.dtype
+        return SAFETENSORS_DTYPES.get(self._handle(entry.path).get_slice(entry.name).get_dtype())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
@@ -71,6 +99,11 @@ class TensorMap(Mapping):
     def renamed(self, names: Mapping[str, str]) -> TensorMap:
         """A view with the keys renamed by ``names`` (new -> old); keys not named are left out."""
         return TensorMap(self.origin, {new: self._entries[old] for new, old in names.items()}, self._handles)
+
+    def replaced(self, changes: Mapping[str, Derived | None]) -> TensorMap:
+        """A view with the entries of ``changes`` replaced, or left out where the change is ``None``."""
+        entries = {**self._entries, **changes}
+        return TensorMap(self.origin, {k: v for k, v in entries.items() if v is not None}, self._handles)
 
 
 def open_safetensors(path: str):
