@@ -32,6 +32,12 @@ Cross-attention entries (``_cross_kv[block_idx][cache_tag]``, a :class:`CrossEnt
     the stock processor attends to them separately). Written by the tag's first commit, read by later no-grad
     passes (:meth:`read_cross`); passes with gradients enabled recompute them and never read them.
 
+Storage format (``kv_dtype``)
+    ``None`` (the default) stores K/V as computed; ``torch.float8_e4m3fn`` (or ``torch.float8_e5m2``) stores self and
+    cross entries as fp8 codes with scales (:mod:`.quantized`). The base class encodes what a commit hands the storage
+    hooks and decodes what :meth:`_pieces` and the cross entries hold into the tag's dtype, so the hooks store
+    encoded tensors like any other.
+
 Per-tag metadata (:class:`TagInfo`)
     Batch size, dtype, device, tokens per latent frame, frames committed, and the conditioning fingerprint and K/V
     projection state the tag was filled with. :meth:`check_pass` compares an incoming pass against it before any
@@ -63,6 +69,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..rotary import ChunkRotary, apply_rotary_emb
+from .quantized import kv_storage
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,9 @@ class BaseKVCacheEngine:
     #: ``rope_max_seq_len`` does not bound the length of a rollout).
     reindexes_positions = False
 
-    def __init__(self) -> None:
+    def __init__(self, kv_dtype: torch.dtype | None = None) -> None:
+        self._storage = kv_storage(kv_dtype)
+        self.kv_dtype = kv_dtype
         self._module_to_block: dict[int, int] = {}
         self._self_kv: dict[int, dict[str, Any]] = {}
         self._cross_kv: dict[int, dict[str, CrossEntry]] = {}
@@ -171,7 +180,7 @@ class BaseKVCacheEngine:
     def empty_like(self) -> BaseKVCacheEngine:
         """A new, empty engine of this class with this one's settings (an engine whose constructor takes arguments
         overrides it)."""
-        return type(self)()
+        return type(self)(kv_dtype=self.kv_dtype)
 
     # ------------------------------------------------------------------ state queries
     def tags(self) -> list[str]:
@@ -260,18 +269,24 @@ class BaseKVCacheEngine:
         return AttentionKV(keys, values, stored_key.detach(), value.detach())
 
     def get_self_prefix(self, block_idx: int, cache_tag: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Every frame a block holds for the tag, as stored (fresh tensors), or ``None`` when it holds none."""
+        """Every frame a block holds for the tag, in the tag's dtype (fresh tensors), or ``None`` when it holds
+        none."""
         return self._read(block_idx, cache_tag, 0, None)
 
     def read_cross(self, block_idx: int, cache_tag: str) -> CrossEntry | None:
-        """The block's filled cross entry for the tag, or ``None``."""
-        return self._cross_kv.get(block_idx, {}).get(cache_tag)
+        """The block's filled cross entry for the tag (decoded), or ``None``."""
+        entry = self._cross_kv.get(block_idx, {}).get(cache_tag)
+        if entry is None:
+            return None
+        dtype = self._tags[cache_tag].dtype
+        return CrossEntry(*(None if t is None else self._storage.decode(t, None, dtype) for t in (
+            entry.key, entry.value, entry.key_img, entry.value_img)))
 
     def _read(self, block_idx, cache_tag, chunk_frames, rotary) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The prefix a chunk of ``chunk_frames`` frames attends to (0: every held frame), as fresh tensors; keys
         rotated to window positions when this engine re-indexes them and ``rotary`` is given."""
         entry = self._self_kv.get(block_idx, {}).get(cache_tag)
-        keys, values = ([], []) if entry is None else self._pieces(entry, chunk_frames)
+        keys, values = ([], []) if entry is None else self._decoded_pieces(entry, cache_tag, chunk_frames)
         if not keys:
             return None
         key, value = torch.cat(keys, dim=1), torch.cat(values, dim=1)
@@ -286,10 +301,17 @@ class BaseKVCacheEngine:
             keys, values = _join(self._read(block_idx, info.cache_tag, info.chunk_frames, rotary), chunk_key, value)
             return AttentionKV(keys, values, stored_key, value)
         entry = self._self_kv.get(block_idx, {}).get(info.cache_tag)
-        keys, values = ([], []) if entry is None else self._pieces(entry, info.chunk_frames)
+        keys, values = ([], []) if entry is None else self._decoded_pieces(entry, info.cache_tag, info.chunk_frames)
         if not keys:
             return AttentionKV(chunk_key, value, stored_key, value)
         return AttentionKV(torch.cat([*keys, chunk_key], dim=1), torch.cat([*values, value], dim=1), stored_key, value)
+
+    def _decoded_pieces(self, entry, cache_tag: str, chunk_frames: int):
+        """:meth:`_pieces` decoded into the tag's dtype (the views themselves when K/V are stored as computed)."""
+        keys, values = self._pieces(entry, chunk_frames)
+        info = self._tags[cache_tag]
+        return tuple([self._storage.decode(t, info.frame_tokens, info.dtype) for t in pieces]
+                     for pieces in (keys, values))
 
     # ------------------------------------------------------------------ commits
     def prepare_commit(self, info: PassInfo, staged: StagedChunk) -> bool:
@@ -304,7 +326,8 @@ class BaseKVCacheEngine:
                 if info.cache_tag not in entries:
                     entries[info.cache_tag] = self._new_entry(self._tags[info.cache_tag])
             for block_idx, (key, value) in staged.self_kv.items():
-                self._allocate(self._self_kv[block_idx][info.cache_tag], key, value)
+                self._allocate(self._self_kv[block_idx][info.cache_tag],
+                               *(self._storage.encoded_like(t, info.frame_tokens) for t in (key, value)))
         except BaseException:
             self.abort_commit(info, created)
             raise
@@ -319,14 +342,20 @@ class BaseKVCacheEngine:
         """Write the staged chunk into every block, and the cross entries if the tag had none yet."""
         tag = info.cache_tag
         for block_idx, (key, value) in staged.self_kv.items():
-            self._write(self._self_kv[block_idx][tag], key.detach(), value.detach())
+            self._write_encoded(block_idx, tag, key, value)
         self._tags[tag].committed_frames += info.chunk_frames
         if staged.cross_kv and not self.is_cross_init(tag):
             for block_idx, entry in staged.cross_kv.items():
                 self._cross_kv.setdefault(block_idx, {})[tag] = CrossEntry(*(
-                    None if t is None else t.detach() for t in (entry.key, entry.value, entry.key_img,
-                                                               entry.value_img)))
+                    None if t is None else self._storage.encode(t.detach())
+                    for t in (entry.key, entry.value, entry.key_img, entry.value_img)))
             self._tags[tag].conditioning = info.conditioning
+
+    def _write_encoded(self, block_idx: int, cache_tag: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        """:meth:`_write` a committed chunk in the storage format."""
+        frame_tokens = self._tags[cache_tag].frame_tokens
+        self._write(self._self_kv[block_idx][cache_tag], *(self._storage.encode(t.detach(), frame_tokens)
+                                                           for t in (key, value)))
 
     def reset_conditioning(self, cache_tag: str) -> None:
         """Let a filled tag continue under new conditioning: drop its cross entries and conditioning fingerprint and
@@ -411,7 +440,7 @@ class BaseKVCacheEngine:
         """Deprecated: commits go through :meth:`prepare_commit` and :meth:`commit`."""
         warnings.warn("append_self_kv() is deprecated; commit through prepare_commit()/commit().",
                       DeprecationWarning, stacklevel=2)
-        self._write(self._self_kv[block_idx][cache_tag], key.detach(), value.detach())
+        self._write_encoded(block_idx, cache_tag, key, value)
 
     def __repr__(self) -> str:
         tags = ", ".join(
@@ -421,7 +450,8 @@ class BaseKVCacheEngine:
         )
         return (
             f"{type(self).__name__}(blocks={self.num_blocks}, tags={{{tags}}}, "
-            f"memory={self.memory_bytes() / 2**20:.2f} MiB)"
+            f"memory={self.memory_bytes() / 2**20:.2f} MiB"
+            + ("" if self.kv_dtype is None else f", kv_dtype={self.kv_dtype}") + ")"
         )
 
 

@@ -1,6 +1,6 @@
 """A bounded engine for long and streaming rollouts: a sliding window of recent frames plus attention sinks.
 
-``RollingKVCacheEngine(window_frames, sink_frames=0, positions="absolute")``
+``RollingKVCacheEngine(window_frames, sink_frames=0, positions="absolute", kv_dtype=None)``
 
 Window
     A chunk of ``c`` latent frames starting at frame ``s`` attends over at most ``window_frames`` (``W``) frames:
@@ -85,9 +85,12 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         sink_frames: first frames of the rollout every later chunk keeps attending to.
         positions: ``"absolute"`` (keys keep their RoPE positions) or ``"relative"`` (positions re-indexed inside
             the window at read time, for rollouts of any length).
+        kv_dtype: ``None`` (K/V stored as computed) or ``torch.float8_e4m3fn`` (fp8 with scales, see
+            :mod:`~diffusers_causal_kv.kv_cache.quantized`).
     """
 
-    def __init__(self, window_frames: int, sink_frames: int = 0, positions: str = "absolute") -> None:
+    def __init__(self, window_frames: int, sink_frames: int = 0, positions: str = "absolute",
+                 kv_dtype: torch.dtype | None = None) -> None:
         for name, size in (("window_frames", window_frames), ("sink_frames", sink_frames)):
             if isinstance(size, bool) or not isinstance(size, int):
                 raise TypeError(f"{name} must be an int (latent frames), got {type(size).__name__}.")
@@ -102,7 +105,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             )
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}.")
-        super().__init__()
+        super().__init__(kv_dtype)
         self.window_frames = window_frames
         self.sink_frames = sink_frames
         self.positions = positions
@@ -190,9 +193,9 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             del self._resume_at[cache_tag]
 
     def empty_like(self) -> RollingKVCacheEngine:
-        """A new, empty engine of this class with this one's window, sink and positions (a subclass taking other
-        constructor arguments overrides it)."""
-        return type(self)(self.window_frames, self.sink_frames, self.positions)
+        """A new, empty engine of this class with this one's window, sink, positions and ``kv_dtype`` (a subclass
+        taking other constructor arguments overrides it)."""
+        return type(self)(self.window_frames, self.sink_frames, self.positions, kv_dtype=self.kv_dtype)
 
     def adopt_tag(self, other: RollingKVCacheEngine, cache_tag: str) -> None:
         """Replace ``cache_tag``'s entries by those ``other`` holds (an :meth:`empty_like` engine of the same branch
@@ -200,10 +203,10 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         the new tag there, so a failure part-way leaves this engine untouched."""
         shape = (self.window_frames, self.sink_frames, self.positions)
         if type(other) is not type(self) or (other.window_frames, other.sink_frames, other.positions) != shape or (
-                other._module_to_block not in ({}, self._module_to_block)):
+                other.kv_dtype != self.kv_dtype or other._module_to_block not in ({}, self._module_to_block)):
             raise ValueError(
-                f"adopt_tag() takes the tag of an engine of the same window, sink and positions {shape} that served "
-                "the same blocks; build it with empty_like()."
+                f"adopt_tag() takes the tag of an engine of the same window, sink and positions {shape} and kv_dtype "
+                f"{self.kv_dtype} that served the same blocks; build it with empty_like()."
             )
         self.clear(cache_tag)
         for mine, theirs in ((self._self_kv, other._self_kv), (self._cross_kv, other._cross_kv)):

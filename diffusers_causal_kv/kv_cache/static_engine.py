@@ -31,6 +31,11 @@ Memory
     :meth:`~BaseKVCacheEngine.memory_bytes` counts the allocated buffers: ``2 x batch x max_frames * frame_tokens x
     heads x head_dim x element size`` per block and tag once the tag committed, plus the cross entries.
 
+fp8 storage (``kv_dtype``)
+    The buffers hold the fp8 format of :mod:`~diffusers_causal_kv.kv_cache.quantized` (their last axis grows by the
+    scale bytes); no-grad passes then attend over a dequantized copy of the prefix with the chunk appended, as the
+    vanilla engine does, and commits write the encoded chunk into the buffers.
+
 Cross entries, per-tag metadata and the other errors are those of :mod:`diffusers_causal_kv.kv_cache.base`.
 """
 
@@ -54,24 +59,24 @@ class StaticBuffers:
 class StaticKVCacheEngine(BaseKVCacheEngine):
     """Append-only KV cache of at most ``max_frames`` latent frames per tag, in preallocated buffers."""
 
-    def __init__(self, max_frames: int) -> None:
+    def __init__(self, max_frames: int, kv_dtype: torch.dtype | None = None) -> None:
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames <= 0:
             raise ValueError(f"max_frames must be a positive int (latent frames per tag), got {max_frames!r}.")
-        super().__init__()
+        super().__init__(kv_dtype)
         self.max_frames = max_frames
         # Per tag and block, the view [:, :len + chunk] of the buffers for the pass in flight (the chunk at its end).
         self._pass_views: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def empty_like(self) -> StaticKVCacheEngine:
-        """A new, empty engine with this one's ``max_frames``."""
-        return type(self)(self.max_frames)
+        """A new, empty engine with this one's ``max_frames`` and ``kv_dtype``."""
+        return type(self)(self.max_frames, kv_dtype=self.kv_dtype)
 
     def check_pass(self, info: PassInfo) -> None:
         """The base checks, the capacity check, then the views the pass writes and reads (no state changes)."""
         super().check_pass(info)
         self._check_capacity(info.start_frame, info.chunk_frames)
         self._pass_views.pop(info.cache_tag, None)
-        if info.grad_enabled:
+        if info.grad_enabled or self.kv_dtype is not None:  # fp8 buffers are read through dequantized copies
             return
         end_offset = info.chunk_frames * info.frame_tokens
         views = {}
