@@ -1,0 +1,214 @@
+"""A local Gradio page for ``CausalWanPipeline.stream()``: frames on screen chunk by chunk, a prompt switch while it
+runs, and Stop.
+
+    python examples/stream_app.py        # tiny random components: the frames are coloured noise
+
+then open http://127.0.0.1:7860. Real weights, as in ``examples/causal_rollout.py``:
+
+    python examples/stream_app.py --checkpoint self_forcing_dmd.pt \\
+        --model-id Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832
+
+Start streams until Stop (or ``--max-chunks``): each chunk is decoded as soon as it is committed and its frames are
+shown one by one at ``--fps``, with the chunk's latency, the time to first frame and the prompt the chunk was made
+with. "Switch prompt" hands the new prompt to the running stream (``CausalWanStream.switch_prompt``): the next chunk
+is made with it. Stop closes the stream after the chunk in progress, so the cache holds whole chunks only.
+
+Nothing leaves the machine: the page is served on 127.0.0.1 only, without a share link, with Gradio's analytics
+(and its version check) off and system fonts only.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: no telemetry, no version check
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gradio as gr  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+HOST = "127.0.0.1"
+SHOWN_CHUNKS = 10  # chunk lines kept in the status box
+CSS = "#frame img { width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated; }"  # scale frames up
+
+
+def _causal_rollout():
+    """``examples/causal_rollout.py`` (``tiny_pipeline``; ``load_pipeline`` for real weights), from beside this
+    file."""
+    path = Path(__file__).with_name("causal_rollout.py")
+    spec = importlib.util.spec_from_file_location("causal_rollout_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-id", default=None,
+                        help="diffusers-format Wan pipeline (hub id or folder): the base components, or the whole "
+                             "causal pipeline without --checkpoint; default: tiny random components")
+    parser.add_argument("--checkpoint", default=None,
+                        help="causal transformer (converted folder or a peer's checkpoint file); needs --model-id")
+    parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic",
+                        help="the prompt the page starts with")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--chunk-frames", type=int, default=None,
+                        help="latent frames per chunk (default: the checkpoint's)")
+    parser.add_argument("--max-chunks", type=int, default=None, help="end each stream after this many chunks")
+    parser.add_argument("--fps", type=float, default=16.0,
+                        help="frames per second at which a chunk's frames are shown (0: as fast as they come)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+class Session:
+    """One browser session's running stream, the prompt its chunks are made with, and the status lines."""
+
+    def __init__(self, stream, prompt: str) -> None:
+        self.stream, self.prompt = stream, prompt
+        self.requested: str | None = None
+        self.lines: deque[str] = deque(maxlen=SHOWN_CHUNKS)
+        self.lock = threading.Lock()
+        self.chunks = 0
+        self.first_frame_seconds: float | None = None
+
+    def request_switch(self, prompt: str) -> None:
+        with self.lock:
+            self.requested = prompt
+
+    def next_chunk(self):
+        """The stream's next chunk (``None`` once it is closed), made with the latest requested prompt. The switch
+        is handed to the stream here, on the thread that runs it, so the prompt recorded for a chunk is the one the
+        stream used."""
+        with self.lock:
+            requested, self.requested = self.requested, None
+        if requested is not None:
+            self.stream.switch_prompt(requested)
+            self.prompt = requested
+        chunk = next(self.stream, None)
+        if chunk is not None:
+            self.chunks += 1
+            if self.first_frame_seconds is None:
+                self.first_frame_seconds = chunk.time_to_frames
+            frames = chunk.video_frames
+            self.lines.append(f"chunk {chunk.index} · video frames {frames.start}-{frames.stop - 1} · "
+                              f"{chunk.seconds * 1000:.1f} ms · prompt: {self.prompt}")
+        return chunk
+
+    def status(self, headline: str) -> str:
+        first = "" if self.first_frame_seconds is None else f" · time to first frame {self.first_frame_seconds:.3f} s"
+        return "\n".join([headline + first, *self.lines])
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    """Frames in [0, 1] as uint8, rounded as diffusers rounds them."""
+    return (frames * 255).round().clip(0, 255).astype(np.uint8)
+
+
+def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cinematic", height: int = 64,
+              width: int = 64, chunk_frames: int | None = None, max_chunks: int | None = None, fps: float = 16.0,
+              seed: int = 0) -> gr.Blocks:
+    """The page: Start streams ``pipe.stream(prompt, num_frames=None)`` (until Stop, or ``max_chunks`` chunks),
+    "Switch prompt" applies a new prompt from the next chunk on, Stop closes the stream.
+
+    One stream runs at a time (a second Start waits in Gradio's queue); each browser session has its own."""
+    pipe.set_progress_bar_config(disable=True)
+    sessions: dict[str, Session] = {}
+
+    def start(text: str, request: gr.Request):
+        generator = torch.Generator(pipe.device).manual_seed(seed)
+        stream = pipe.stream(prompt=text, height=height, width=width, num_frames=None, chunk_frames=chunk_frames,
+                             generator=generator)
+        session = Session(stream, text)
+        previous = sessions.get(request.session_hash)
+        if previous is not None:
+            previous.stream.close()
+        sessions[request.session_hash] = session
+        try:
+            while max_chunks is None or session.chunks < max_chunks:
+                chunk = session.next_chunk()
+                if chunk is None:
+                    break
+                shown = time.perf_counter()
+                for number, frame in zip(chunk.video_frames, to_uint8(chunk.frames[0])):
+                    if stream.closed:
+                        break
+                    if fps > 0:  # play the chunk: one frame every 1/fps seconds
+                        time.sleep(max(0.0, shown - time.perf_counter()))
+                        shown += 1 / fps
+                    yield frame, session.status(f"streaming · video frame {number} · chunk {chunk.index}")
+            ended = "stopped" if stream.closed else "done"
+            yield gr.skip(), session.status(f"{ended} after {session.chunks} chunks")
+        finally:
+            stream.close()
+            if sessions.get(request.session_hash) is session:
+                del sessions[request.session_hash]
+
+    def switch(text: str, request: gr.Request) -> str:
+        session = sessions.get(request.session_hash)
+        if session is None:
+            return "nothing is streaming: press Start"
+        session.request_switch(text)
+        return f"the next chunk is made with: {text}"
+
+    def stop(request: gr.Request) -> str:
+        session = sessions.get(request.session_hash)
+        if session is None:
+            return "nothing is streaming"
+        session.stream.close()
+        return session.status(f"stopped after {session.chunks} chunks")
+
+    # analytics off here too; the frames shown are files in Gradio's cache: swept every minute
+    with gr.Blocks(title="Causal Wan stream", analytics_enabled=False, delete_cache=(60, 60)) as app:
+        gr.Markdown("## Causal Wan stream\nFrames appear chunk by chunk as the KV-cached rollout decodes them.")
+        with gr.Row():
+            with gr.Column():
+                prompt_box = gr.Textbox(prompt, label="prompt")
+                with gr.Row():
+                    start_button = gr.Button("Start", variant="primary")
+                    stop_button = gr.Button("Stop", variant="stop")
+                switch_box = gr.Textbox("", label="new prompt (from the next chunk on)")
+                switch_button = gr.Button("Switch prompt")
+                switch_note = gr.Markdown("")
+            with gr.Column():
+                frame = gr.Image(label="latest frame", type="numpy", format="png", interactive=False, height=360,
+                                 buttons=["download", "fullscreen"], elem_id="frame")  # no share (upload) button
+                status = gr.Textbox(label="status", lines=SHOWN_CHUNKS + 1, interactive=False, elem_id="status")
+        streaming = start_button.click(start, prompt_box, [frame, status], api_name="start", concurrency_limit=1)
+        switch_button.click(switch, switch_box, switch_note, api_name="switch")
+        stop_button.click(stop, None, status, api_name="stop", cancels=[streaming])
+    return app
+
+
+def launch(app: gr.Blocks, port: int, prevent_thread_lock: bool = False) -> gr.Blocks:
+    """Serve ``app`` on 127.0.0.1 only: no share link, no server-side rendering (a Node server), system fonts."""
+    theme = gr.themes.Base(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                           font_mono=["ui-monospace", "monospace"])
+    app.queue().launch(server_name=HOST, server_port=port, share=False, ssr_mode=False, mcp_server=False,
+                       theme=theme, css=CSS, prevent_thread_lock=prevent_thread_lock)
+    return app
+
+
+def main(argv=None, prevent_thread_lock: bool = False) -> gr.Blocks:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rollout = _causal_rollout()
+    tiny = args.checkpoint is None and args.model_id is None
+    pipe = (rollout.tiny_pipeline(args.seed) if tiny else rollout.load_pipeline(args, device)).to(device)
+    app = build_app(pipe, prompt=args.prompt, height=args.height, width=args.width, chunk_frames=args.chunk_frames,
+                    max_chunks=args.max_chunks, fps=args.fps, seed=args.seed)
+    print(f"serving on http://{HOST}:{args.port}/ (local only)")
+    return launch(app, args.port, prevent_thread_lock=prevent_thread_lock)
+
+
+if __name__ == "__main__":
+    main()
