@@ -43,7 +43,7 @@ from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT
 from .causal_config import CausalConfig
 from .kv_cache import RollingKVCacheEngine
 from .masks import chunk_schedule
-from .model import topology
+from .model import experts_of, topology
 from .pipeline_stream import CausalWanStream, FrameFeed, causal_vace_mask, video_frames_of
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .processors import CausalWanAttnProcessor
@@ -73,6 +73,12 @@ def install_causal_processors(transformer: torch.nn.Module) -> None:
         causal = CausalWanAttnProcessor()
         causal._attention_backend = attn.processor._attention_backend
         attn.set_processor(causal)
+
+
+def _takes_condition_latents(transformer) -> bool:
+    """Whether the transformer takes I2V condition latents (mask and image latents) beside the noisy ones: Wan2.1
+    I2V and Wan2.2 I2V-A14B, told by their input channels (I2V-A14B has no image embeddings to tell it by)."""
+    return transformer.config.in_channels != transformer.config.out_channels
 
 
 def _has_causal_processors(transformer: torch.nn.Module) -> bool:
@@ -130,6 +136,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         if isinstance(causal_config, dict):
             causal_config = CausalConfig.from_dict(causal_config)
         self.causal_config = causal_config or CausalConfig()
+        self._guidance_scale, self._guidance_scale_2 = 1.0, None
         self.vae_scale_factor_temporal = vae.config.scale_factor_temporal if vae is not None else 4
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
@@ -156,7 +163,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
 
     @property
     def do_classifier_free_guidance(self) -> bool:
-        return self._guidance_scale > 1.0
+        return self._guidance_scale > 1.0 or (self._guidance_scale_2 or 0.0) > 1.0
 
     @property
     def num_timesteps(self) -> int:
@@ -187,16 +194,17 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         return self._chunk_seconds
 
     def install_processors(self) -> None:
-        """:func:`install_causal_processors` on the transformer, with a
+        """:func:`install_causal_processors` on the transformer (and ``transformer_2``), with a
         :class:`~diffusers_causal_kv.RollingKVCacheEngine` per branch when ``causal_config.window_frames`` is set and
         no engines were set."""
-        window, transformer = self.causal_config.window_frames, self.transformer
-        if (window is not None and getattr(transformer, "kv_cache_engines", None) is None
-                and not _has_causal_processors(transformer)):
-            config = self.causal_config
-            transformer.kv_cache_engines = {branch: RollingKVCacheEngine(window, config.sink_frames, config.positions)
-                                            for branch in topology(transformer).branches}
-        install_causal_processors(transformer)
+        config = self.causal_config
+        for transformer in experts_of(self):  # Wan2.2 A14B: both experts, each with its own engines
+            if (config.window_frames is not None and getattr(transformer, "kv_cache_engines", None) is None
+                    and not _has_causal_processors(transformer)):
+                transformer.kv_cache_engines = {
+                    branch: RollingKVCacheEngine(config.window_frames, config.sink_frames, config.positions)
+                    for branch in topology(transformer).branches}
+            install_causal_processors(transformer)
 
     # ------------------------------------------------------------------------------------------------ call
     @torch.no_grad()
@@ -219,6 +227,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         context_noise: float | None = None,
         context_noise_mode: str | None = None,
         guidance_scale: float | None = None,
+        guidance_scale_2: float | None = None,
         num_videos_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
@@ -247,6 +256,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 down to one, as the stock pipelines do (default: the config's).
             chunk_frames / timesteps / shift / context_noise / context_noise_mode / guidance_scale: the causal
                 sampling (default: the config's; see :class:`~diffusers_causal_kv.CausalConfig`).
+            guidance_scale_2: Wan2.2 A14B: the low-noise expert's guidance scale (default ``guidance_scale``).
             num_inference_steps: sample each chunk with ``self.scheduler`` in that many steps instead of the
                 few-step ``timesteps``.
             generator / latents: the random generator; ``latents`` gives the initial noise of every latent frame
@@ -273,7 +283,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         transformer, device = self.transformer, self._execution_device
         kind = topology(transformer)
 
-        self._guidance_scale = settings.guidance_scale
+        self._set_guidance(settings.guidance_scale, guidance_scale_2)
         self._attention_kwargs, self._current_timestep, self._interrupt = attention_kwargs, None, False
         if prompt_embeds is None and prompt is None:
             raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
@@ -291,9 +301,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                              "channels, latent frames, height / 8, width / 8).")
 
         planner = RolloutPlanner(
-            transformer, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
-            guidance_scale=settings.guidance_scale if self.do_classifier_free_guidance else 1.0,
-            cache_engines=cache_engines, generator=generator, attention_kwargs=attention_kwargs, **per_frame)
+            self, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds, cache_engines=cache_engines,
+            generator=generator, attention_kwargs=attention_kwargs, **self._guidance(), **per_frame)
         template = torch.zeros(shape, device=device) if latents is None else latents.to(device, torch.float32)
         chunks = planner.plan(template, chunk_frames)
         scheduler = self.scheduler if num_inference_steps else None
@@ -357,6 +366,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         context_noise: float | None = None,
         context_noise_mode: str | None = None,
         guidance_scale: float | None = None,
+        guidance_scale_2: float | None = None,
         generator: torch.Generator | None = None,
         prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
@@ -413,8 +423,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             raise ValueError(f"strength={strength} keeps none of the timesteps {list(settings.timesteps)}; raise it "
                              f"to at least {min(settings.timesteps) / 1000}.")
         self.install_processors()
-        device, transformer, kind = self._execution_device, self.transformer, topology(self.transformer)
-        self._guidance_scale = settings.guidance_scale
+        device, kind = self._execution_device, topology(self.transformer)
+        self._set_guidance(settings.guidance_scale, guidance_scale_2)
 
         def encode(text, negative_text=None):
             return self._prompt_embeds(text, negative_text, None, None, max_sequence_length, device)
@@ -443,12 +453,12 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         else:
             engines = cache_engines or self._stream_engines(settings, chunk, positions)
             rollout = StreamingRollout(
-                transformer, positive, negative_prompt_embeds=negative if self.do_classifier_free_guidance else None,
-                guidance_scale=settings.guidance_scale if self.do_classifier_free_guidance else 1.0,
+                self, positive, negative_prompt_embeds=negative if self.do_classifier_free_guidance else None,
                 chunk_frames=chunk, timesteps=used, shift=settings.shift, context_noise=settings.context_noise,
                 context_noise_mode=settings.context_noise_mode, cache_engines=engines, generator=generator,
                 image_embeds=inputs.pop("image_embeds", None), control_scale=inputs.pop("control_scale", None),
-                attention_kwargs=attention_kwargs)
+                first_frame_latents=inputs.pop("first_frame_latents", None), attention_kwargs=attention_kwargs,
+                **self._guidance())
         made = CausalWanStream(self, rollout, shape=shape, sizes=sizes, generator=generator, encode_prompt=encode,
                                prompt_schedule=prompt_schedule, switch_mode=prompt_switch, output_type=output_type,
                                inputs=inputs["per_chunk"], decode=output_type != "latent",
@@ -470,11 +480,25 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         return positive.to(dtype), None if negative is None else negative.to(dtype)
 
     def _stream_engines(self, settings: CausalConfig, chunk: int, positions: str) -> dict:
-        """A fresh rolling engine per branch: the config's window (21 latent frames, Self-Forcing's training length,
-        when it names none) and sink."""
+        """A fresh rolling engine per branch (and per expert): the config's window (21 latent frames, Self-Forcing's
+        training length, when it names none) and sink."""
         window = max(settings.window_frames or 21, chunk + settings.sink_frames)
-        return {branch: RollingKVCacheEngine(window, settings.sink_frames, positions=positions)
-                for branch in topology(self.transformer).branches}
+        maps = [{branch: RollingKVCacheEngine(window, settings.sink_frames, positions=positions)
+                 for branch in topology(transformer).branches} for transformer in experts_of(self)]
+        return maps[0] if len(maps) == 1 else {"transformer": maps[0], "transformer_2": maps[1]}
+
+    def _set_guidance(self, guidance_scale: float, guidance_scale_2: float | None) -> None:
+        """The call's guidance scales (``guidance_scale_2``, for ``transformer_2``, defaults to ``guidance_scale``
+        as in the stock pipelines)."""
+        self._guidance_scale = guidance_scale
+        two = self.transformer_2 is not None
+        self._guidance_scale_2 = (guidance_scale if guidance_scale_2 is None else guidance_scale_2) if two else None
+
+    def _guidance(self) -> dict:
+        """The planner's guidance arguments: no CFG at all unless a scale is above 1, as in the stock pipelines."""
+        if not self.do_classifier_free_guidance:
+            return {"guidance_scale": 1.0, "guidance_scale_2": 1.0}
+        return {"guidance_scale": self._guidance_scale, "guidance_scale_2": self._guidance_scale_2}
 
     def _stream_inputs(self, kind, image, image_embeds, control_video, control_mask, conditioning_scale, video, used,
                        shift, height, width, device, batch) -> dict:
@@ -482,7 +506,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         :meth:`StreamingRollout.generate` (plus ``"start"``, the noise-to-start-latents map of video-to-video), and
         the per-stream ``image_embeds`` / ``control_scale``."""
         dtype, spatial = self.transformer.dtype, self.vae_scale_factor_spatial
-        if video is not None and (kind.is_i2v or kind.is_vace):
+        conditioned = _takes_condition_latents(self.transformer)
+        if video is not None and (conditioned or kind.is_vace or image is not None):
             raise ValueError("video-to-video streams take a text-to-video transformer; drop video= for I2V / VACE.")
         out: dict = {}
         if kind.is_vace:
@@ -490,15 +515,21 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             scale = torch.as_tensor(conditioning_scale, dtype=torch.float32).reshape(-1).expand(layers)
             out["control_scale"] = scale.to(device, dtype)
         feeds, encoders = {}, {}
-        if kind.is_i2v:
-            if image is None:
-                raise ValueError("this transformer is a Wan2.1 I2V model: pass image (the first frame).")
-            embeds = self.encode_image(image, device) if image_embeds is None else image_embeds
-            out["image_embeds"] = embeds.repeat(batch // embeds.shape[0], 1, 1).to(dtype)
-            first = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
-            encoders["condition"] = StreamingVAEEncoder(self.vae)
-        elif image is not None:
+        if conditioned and image is None:
+            raise ValueError("this transformer is an I2V model (it takes condition latents): pass image (the "
+                             "first frame).")
+        if image is not None and not conditioned and not self.config.expand_timesteps:
             raise ValueError("image was given but the transformer is not an I2V model; drop it.")
+        if image is not None:
+            first = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
+        if image is not None and self.config.expand_timesteps:  # TI2V: the image alone is latent frame 0
+            latents = StreamingVAEEncoder(self.vae).encode(first.unsqueeze(2).to(self.vae.dtype)).to(torch.float32)
+            out["first_frame_latents"] = latents.repeat(batch // latents.shape[0], 1, 1, 1, 1)
+        elif conditioned:
+            if kind.is_i2v:
+                embeds = self.encode_image(image, device) if image_embeds is None else image_embeds
+                out["image_embeds"] = embeds.repeat(batch // embeds.shape[0], 1, 1).to(dtype)
+            encoders["condition"] = StreamingVAEEncoder(self.vae)
         if kind.is_vace:
             blank = itertools.repeat(torch.zeros(height, width, 3))
             feeds["control"] = FrameFeed(self, control_video if control_video is not None else blank, height,
@@ -514,7 +545,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
 
         def per_chunk(start: int, size: int) -> dict:
             count = video_frames_of(start, size)
-            if kind.is_i2v:
+            if "condition" in encoders:
                 frames = torch.zeros(batch, 3, count, height, width, device=device)
                 if start == 0:
                     frames[:, :, :1] = first.unsqueeze(2)
@@ -542,10 +573,10 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
 
     # ------------------------------------------------------------------------------------------------ parts
     def _check_call(self, height, width, output_type, tensor_inputs, reference_images, generator) -> None:
-        if self.transformer_2 is not None or self.config.boundary_ratio is not None or self.config.expand_timesteps:
-            raise NotImplementedError(
-                "CausalWanPipeline does not run Wan2.2 settings yet (transformer_2, boundary_ratio, "
-                "expand_timesteps); build it from a single-expert Wan2.1-style pipeline."
+        if (self.transformer_2 is not None) != (self.config.boundary_ratio is not None):
+            raise ValueError(
+                "a two-expert pipeline needs both transformer_2 and boundary_ratio (the timestep fraction where "
+                "transformer_2 takes over); pass both, or neither for one expert."
             )
         if height % 16 or width % 16:
             raise ValueError(f"height and width must be multiples of 16, got {height} x {width}.")
@@ -583,20 +614,25 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             masks = causal_vace_mask(mask, True, self.vae_scale_factor_spatial).to(video.dtype)
             control = torch.cat([self.prepare_video_latents(video, mask, refs, generator, device), masks], dim=1)
             return {"control_latents": control.to(dtype), "control_scale": scale.to(device, dtype)}
-        if kind.is_i2v or image is not None:
-            if image is None:
-                raise ValueError("this transformer is a Wan2.1 I2V model: pass image (the first frame).")
-            if not kind.is_i2v:
-                raise ValueError("image was given but the transformer is not an I2V model; drop it.")
-            if image_embeds is None:
-                image_embeds = self.encode_image(image, device)
-            image_embeds = image_embeds.repeat(batch // image_embeds.shape[0], 1, 1).to(dtype)
-            pixels = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
-            # The stock preparation also returns noise; only the condition is used (the noise is drawn per chunk).
-            _, condition = self._prepare_i2v_latents(pixels, batch, shape[1], height, width, num_frames,
-                                                     torch.float32, device, generator, torch.zeros(shape))
-            return {"condition_latents": condition.to(dtype), "image_embeds": image_embeds}
-        return {}
+        conditioned = _takes_condition_latents(self.transformer)
+        if image is None:
+            if conditioned:
+                raise ValueError("this transformer is an I2V model (it takes condition latents): pass image (the "
+                                 "first frame).")
+            return {}
+        if not conditioned and not self.config.expand_timesteps:
+            raise ValueError("image was given but the transformer is not an I2V model; drop it.")
+        pixels = self.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
+        # The stock preparation also returns noise; only the condition is used (the noise is drawn per chunk).
+        prepared = self._prepare_i2v_latents(pixels, batch, shape[1], height, width, num_frames, torch.float32,
+                                             device, generator, torch.zeros(shape))
+        if self.config.expand_timesteps:  # Wan2.2 TI2V: the image is latent frame 0, at timestep 0
+            return {"first_frame_latents": prepared[1]}
+        inputs = {"condition_latents": prepared[1].to(dtype)}
+        if kind.is_i2v:  # Wan2.1 I2V: image-encoder embeddings too (Wan2.2 I2V-A14B takes none)
+            embeds = self.encode_image(image, device) if image_embeds is None else image_embeds
+            inputs["image_embeds"] = embeds.repeat(batch // embeds.shape[0], 1, 1).to(dtype)
+        return inputs
 
     def _run_callback(self, callback, tensor_inputs, step, t, latents, prompt_embeds, negative_prompt_embeds):
         """Call ``callback_on_step_end``; returns the chunk latents it gives back."""

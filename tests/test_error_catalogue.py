@@ -933,7 +933,7 @@ def _pipeline(transformer=None, first=None, **call):
     return pipe.transformer, lambda: pipe(**{**args, **call})
 
 
-@case(NotImplementedError, "does not run Wan2.2 settings yet")
+@case(ValueError, "needs both transformer_2 and boundary_ratio")
 def pipeline_with_a_boundary_ratio():
     pipe, args = _called_pipeline()
     pipe.register_to_config(boundary_ratio=0.9)
@@ -975,7 +975,7 @@ def pipeline_latents_of_another_shape():
     return _pipeline(latents=torch.randn(1, 16, 3, 2, 2))
 
 
-@case(ValueError, "is a Wan2.1 I2V model: pass image")
+@case(ValueError, "(it takes condition latents): pass image")
 def pipeline_i2v_without_an_image():
     i2v = dict(image=torch.zeros(1, 3, 16, 16), image_embeds=torch.randn(1, 4, 8), max_sequence_length=512)
     return _pipeline(tiny_wan(i2v=True), first=i2v, image=None)
@@ -1328,6 +1328,82 @@ def convert_lora_of_another_model():
     lora = {"base_model.model.blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 7),
             "base_model.model.blocks.0.self_attn.q.lora_B.weight": torch.zeros(24, 4)}
     return _conversion(_self_forcing_file, lora=_longlive_lora(lora))
+
+
+def _experts(folder, low_in_channels=36):
+    """A diffusers folder of two tiny Wan2.2 I2V-A14B experts (36 input channels, no image embedder)."""
+    from convert_fixtures import write_diffusers_experts
+
+    return write_diffusers_experts(folder / "experts", tiny_wan(in_channels=36), tiny_wan(in_channels=low_in_channels))
+
+
+@case(ValueError, "a Wan2.2 A14B checkpoint holds two experts", "low_noise_model", cached=False)
+def convert_a_missing_expert():
+    from convert_fixtures import original_state_dict, write_safetensors_shards
+
+    def write(folder):
+        write_safetensors_shards(folder / "experts" / "high_noise_model", original_state_dict(tiny_wan(in_channels=36)))
+        return folder / "experts"
+
+    return _conversion(write)
+
+
+@case(ValueError, "holds no Wan2.2 A14B experts", r"base .*self_forcing_dmd\.pt", cached=False)
+def convert_experts_onto_a_one_model_base():
+    import tempfile
+
+    base = _self_forcing_file(pathlib.Path(tempfile.mkdtemp()))
+    return _conversion(_experts, base=base)
+
+
+@case(ValueError, "experts do not share one config", "in_channels: 36 vs 16", cached=False)
+def convert_experts_of_two_models():
+    return _conversion(lambda folder: _experts(folder, low_in_channels=16))
+
+
+@case(ValueError, "applies one LoRA to one model", "--base", cached=False)
+def convert_experts_with_one_lora():
+    return _conversion(_experts, lora=_longlive_lora({}))
+
+
+@case(ValueError, "holds only LoRA weights", r"lora\.safetensors.*--base", cached=False)
+def convert_a_lora_without_its_base():
+    from safetensors.torch import save_file
+
+    def write(folder):
+        save_file({"blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 24),
+                   "blocks.0.self_attn.q.lora_B.weight": torch.zeros(24, 4)}, folder / "lora.safetensors")
+        return folder / "lora.safetensors"
+
+    return _conversion(write)
+
+
+@case(ValueError, "merges a LoRA-only checkpoint", "holds model weights", cached=False)
+def convert_full_weights_onto_a_base():
+    import tempfile
+
+    base = _self_forcing_file(pathlib.Path(tempfile.mkdtemp()))
+    return _conversion(_self_forcing_file, base=base)
+
+
+@case(ValueError, "the converter cannot dequantize", r"q\.weight \(torch\.uint8\)", cached=False)
+def convert_packed_quantized_weights():
+    from convert_fixtures import original_state_dict
+    from safetensors.torch import save_file
+
+    def write(folder):
+        state = original_state_dict(tiny_wan())
+        state["blocks.0.self_attn.q.weight"] = torch.zeros(24, 24, dtype=torch.uint8)
+        save_file(state, folder / "model_4o6.safetensors")
+        return folder / "model_4o6.safetensors"
+
+    return _conversion(write)
+
+
+# Quantized KV cache
+@case(ValueError, "kv_dtype must be None", "got torch.bfloat16")
+def engine_of_another_kv_dtype():
+    return _engine_args(lambda: StaticKVCacheEngine(max_frames=4, kv_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("build, error, fragment, detail, cached", CASES)
