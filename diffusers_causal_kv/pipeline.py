@@ -48,7 +48,7 @@ from .pipeline_stream import CausalWanStream, FrameFeed, causal_vace_mask, video
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .processors import CausalWanAttnProcessor
 from .rollout import rollout_chunks, shifted_sigmas
-from .streaming import StreamingRollout
+from .streaming import StreamingRollout, expert_engines
 from .streaming_vae import StreamingVAEEncoder
 
 logger = logging.get_logger(__name__)
@@ -192,6 +192,16 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
     def chunk_seconds(self) -> list[float]:
         """Wall-clock seconds per chunk of the last call (denoising and commit, without text encoding or decoding)."""
         return self._chunk_seconds
+
+    def cache_memory_bytes(self, cache_engines: dict | None = None) -> dict[str, int]:
+        """Bytes the KV cache holds, per expert: ``{"transformer": n}``, and ``"transformer_2"`` too for a two-expert
+        Wan2.2 A14B pipeline (each expert caches the K/V of its own weights, so the cache is held twice).
+
+        ``cache_engines``: the engine map of a call or a stream (``stream.rollout.cache_engines``); default the
+        transformers' own ``kv_cache_engines``."""
+        names = ("transformer", "transformer_2")
+        return {name: sum(engine.memory_bytes() for engine in engines.values())
+                for name, (_, engines) in zip(names, expert_engines(self, cache_engines))}
 
     def install_processors(self) -> None:
         """:func:`install_causal_processors` on the transformer (and ``transformer_2``), with a

@@ -135,7 +135,8 @@ class RolloutPlanner:
         self.prompts = {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
         self.cache_tag, self.guidance_scale, self.image_embeds = cache_tag, guidance_scale, image_embeds
         self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
-        self.control_scale, self.cache_engines, self.generator = control_scale, cache_engines, generator
+        # self.cache_engines stays the first expert's map (set above), not the two-expert map given
+        self.control_scale, self.generator = control_scale, generator
         self.attention_kwargs = attention_kwargs
 
     def with_frames(self, condition_latents: torch.Tensor | None = None,

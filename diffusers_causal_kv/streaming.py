@@ -66,12 +66,14 @@ def prefill(
     planner = RolloutPlanner(model, prompt_embeds, cache_tag=cache_tag, image_embeds=image_embeds,
                              condition_latents=condition_latents, control_latents=control_latents,
                              control_scale=control_scale, cache_engines=cache_engines, generator=generator)
-    engines, cached = planner.engines, planner.next_frame()
+    cached = planner.next_frame()
+    # every expert's engines (Wan2.2 A14B has two maps), so that a skip moves both experts' caches
+    engines = [e for _, m in expert_engines(model, cache_engines) for e in m.values()]
     start = cached if start_frame is None else start_frame
     chunks = planner.plan(latents, chunk_frames, start, given="latents")  # every check before a skip changes the cache
     check_context_noise(context_noise, context_noise_mode)
     if start != cached:
-        can_skip = bool(engines) and all(isinstance(e, RollingKVCacheEngine) for e in engines.values())
+        can_skip = bool(engines) and all(isinstance(e, RollingKVCacheEngine) for e in engines)
         if start < cached or not can_skip:
             raise ValueError(
                 f"prefill(start_frame={start}) on cache tag {cache_tag!r}, which continues at frame {cached}: pass "
@@ -79,7 +81,7 @@ def prefill(
             )
     with contextlib.ExitStack() as skips:
         if start != cached:
-            for engine in engines.values():
+            for engine in engines:
                 skips.enter_context(engine.skipping_to(start, cache_tag))
         for chunk in chunks:
             planner.commit(latents[:, :, chunk.offset:chunk.offset + chunk.size], chunk, context_noise,
@@ -240,7 +242,8 @@ class StreamingRollout:
     ) -> None:
         self.transformer = resolve_transformer(model)
         kind = topology(self.transformer)
-        self.per_frame_inputs = kind.is_vace or kind.is_i2v
+        config = self.transformer.config  # I2V-A14B takes condition latents without image embeddings: told by channels
+        self.per_frame_inputs = kind.is_vace or kind.is_i2v or config.in_channels != config.out_channels
         self._planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                                        guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator,
                                        image_embeds=image_embeds, control_scale=control_scale,

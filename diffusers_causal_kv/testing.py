@@ -38,6 +38,7 @@ __all__ = [
     "tiny_vace",
     "tiny_vae",
     "tiny_wan",
+    "tiny_wan22_vae",
 ]
 
 TEXT_DIM = 32  # text embedding width of the tiny models
@@ -135,6 +136,18 @@ def tiny_vae(seed: int | None = None) -> AutoencoderKLWan:
         torch.manual_seed(seed)
     return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                             temperal_downsample=[False, True, True])
+
+
+def tiny_wan22_vae(seed: int | None = None) -> AutoencoderKLWan:
+    """A tiny random ``AutoencoderKLWan`` with the Wan2.2 (TI2V-5B) VAE's structure: residual blocks, 2x2 patchified
+    pixels (12 input channels), 16x spatial and 4x temporal compression, 48 latent channels (latent statistics 0 and
+    1). Pair it with ``tiny_wan(in_channels=48, out_channels=48)`` and ``expand_timesteps=True``."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16,
+                            latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 
 
 def tiny_prompt_encoder(prompt: str, batch: int = 1, text_len: int = PROMPT_LEN,
