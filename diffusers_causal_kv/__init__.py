@@ -26,6 +26,8 @@ The public names, all importable from here:
   (a sliding window with attention sinks, for unbounded length), :class:`BaseKVCacheEngine` (the contract);
 * sampling loops: :func:`causal_rollout`, :class:`RolloutOutput`, :func:`chunk_schedule`, :func:`prefill`,
   :func:`recache`, :class:`StreamingRollout`, and :class:`RolloutPlanner`, which they all drive;
+* several devices: :func:`causal_cp_plan` (diffusers' context parallelism, frame-aligned),
+  :class:`CFGAcrossRanks` (the two guidance passes on two ranks);
 * training: :func:`self_forcing_rollout`, :func:`block_causal_mask`, :func:`teacher_forcing_mask`,
   :class:`CausalMask`.
 
@@ -48,6 +50,7 @@ from .kv_cache import (
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
 from .modular import causal_wan_blocks, causal_wan_i2v_blocks
+from .parallel import CFGAcrossRanks, causal_cp_plan
 from .pipeline import CausalWanPipeline
 from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
@@ -57,6 +60,7 @@ from .streaming_vae import StreamingVAEDecoder, StreamingVAEEncoder
 
 __all__ = [
     "BaseKVCacheEngine",
+    "CFGAcrossRanks",
     "CausalConfig",
     "CausalContext",
     "CausalMask",
@@ -72,6 +76,7 @@ __all__ = [
     "StreamingVAEEncoder",
     "VanillaKVCacheEngine",
     "block_causal_mask",
+    "causal_cp_plan",
     "causal_wan_blocks",
     "causal_wan_i2v_blocks",
     "causal_rollout",

@@ -9,6 +9,8 @@
 * ``_COMPILED_PASS`` mirrors ``_RUNNING_PASS`` for code compiled with ``torch.compile``, which cannot trace
   ``ContextVar.get``: a thread-local the hook keeps equal to it, set outside the compiled region.
 * ``_HELD_COMMITS`` collects the commits of a ``commits_together()`` block.
+* ``_CFG_RANKS`` holds the ``CFGAcrossRanks`` of an open ``with CFGAcrossRanks(group):`` block (guidance split across
+  ranks), read by the rollout planner.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 _OPEN_CONTEXTS: ContextVar[Mapping[int, Any]] = ContextVar("causal_kv_open_contexts", default=MappingProxyType({}))
 _RUNNING_PASS: ContextVar[Any] = ContextVar("causal_kv_running_pass", default=None)
 _HELD_COMMITS: ContextVar[Any] = ContextVar("causal_kv_held_commits", default=None)
+_CFG_RANKS: ContextVar[Any] = ContextVar("causal_kv_cfg_ranks", default=None)
 _COMPILED_PASS = threading.local()
 
 
@@ -74,3 +77,16 @@ def holding_commits(held) -> Token:
 
 def release_commits(token: Token) -> None:
     _HELD_COMMITS.reset(token)
+
+
+def cfg_ranks():
+    """The ``CFGAcrossRanks`` of the innermost open block, or ``None`` (guidance on this rank alone)."""
+    return _CFG_RANKS.get()
+
+
+def using_cfg_ranks(cfg) -> Token:
+    return _CFG_RANKS.set(cfg)
+
+
+def release_cfg_ranks(token: Token) -> None:
+    _CFG_RANKS.reset(token)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ambient import cfg_ranks
 from .causal_config import CONTEXT_NOISE_MODES
 from .context import CausalContext
 from .masks import chunk_schedule
@@ -153,9 +154,15 @@ class RolloutPlanner:
         return resolve_engines(self.transformer, self.cache_engines)
 
     def next_frame(self) -> int:
-        """The absolute frame the tag ``cache_tag`` of the ``"main"`` engine continues at."""
+        """The absolute frame the tag ``cache_tag`` (with guidance across ranks: this rank's tag) of the ``"main"``
+        engine continues at."""
         main = self.engines.get("main")
-        return 0 if main is None else main.next_frame(self.cache_tag)
+        cfg = self.cfg_ranks()
+        return 0 if main is None else main.next_frame(self.cache_tag if cfg is None else cfg.tag(self.cache_tag))
+
+    def cfg_ranks(self):
+        """The open ``CFGAcrossRanks`` when this planner guides (each rank then runs one tag), else ``None``."""
+        return cfg_ranks() if self.use_cfg else None
 
     def plan(self, latents: torch.Tensor, chunk_frames: int | Sequence[int], first_frame: int = 0,
              given: str = "noise") -> list[Chunk]:
@@ -259,6 +266,10 @@ class RolloutPlanner:
         # In the latents' dtype: a flow-matching scheduler casts its step to the flow's dtype, and the latents of a
         # bf16 transformer stay in fp32 as in the stock pipelines.
         expert = self.expert_for(t)
+        cfg = self.cfg_ranks()
+        if cfg is not None:  # this rank runs one tag; the two predictions are combined across ranks
+            local = self.forward(x, t, chunk, cfg.tag(self.cache_tag), expert=expert)
+            return cfg.combine(local, expert.guidance_scale).to(x.dtype)
         cond = self.forward(x, t, chunk, self.cache_tag, expert=expert)
         if not self.use_cfg:
             return cond.to(x.dtype)
@@ -283,7 +294,10 @@ class RolloutPlanner:
         check_context_noise(context_noise, mode)
         if mode == "renoise" and context_noise > 0:
             x = self.renoise(x, context_noise / 1000)
-        with torch.no_grad(), commits_together():  # every expert's cache needs the K/V of its own weights
+        cfg = self.cfg_ranks()
+        tags = list(self.prompts) if cfg is None else [cfg.tag(self.cache_tag)]
+        # Every expert's cache needs the K/V of its own weights; with guidance across ranks, every rank's tag.
+        with torch.no_grad(), commits_together(None if cfg is None else cfg.commit_group):
             for expert in self.experts:
-                for tag in self.prompts:
+                for tag in tags:
                     self.forward(x, context_noise, chunk, tag, store_kv=True, expert=expert)

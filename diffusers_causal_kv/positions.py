@@ -4,28 +4,51 @@ The stock ``WanRotaryPosEmbed`` numbers the frames of its input ``0..F-1``. Unde
 gives them the pass's ``positions`` instead (from ``start_frame`` on, or where an engine that re-indexes positions
 places the chunk; in teacher forcing, the same positions for the clean and the noisy half), through the rotary-math
 leaf. Outside a pass it calls the stock forward untouched.
+
+Under ``causal_cp_plan`` the transformer's inputs are split before ``rope`` runs, so ``rope`` sees this rank's rows
+of every frame: the hook places them at the rank's own rows of the grid, in a pass or not (it sits inside the split
+whatever the order of ``enable_parallelism`` and the first context, as the split is the transformer's own input).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from diffusers.hooks import ModelHook
+from diffusers.hooks import HookRegistry, ModelHook
 
 from .ambient import running_pass
 from .rotary import rope_for_frames
+from .sharding import row_split
 
 ROPE_HOOK_NAME = "causal_kv_rope_positions"
 
 
 class TemporalRoPEOffsetHook(ModelHook):
-    """Gives ``transformer.rope`` the running pass's temporal positions."""
+    """Gives ``transformer.rope`` the running pass's temporal positions (and a rank's rows of the grid)."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        super().__init__()
+        self._transformer = weakref.ref(transformer)
 
     def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor):
         """The RoPE tables of ``hidden_states``: the stock ones outside a running pass, else those of the pass's
         ``positions`` per latent frame (see the module docstring)."""
         p = running_pass()
-        if p is None:
+        transformer = self._transformer()
+        split = None if transformer is None else row_split(transformer)
+        if p is None and split is None:
             return self.fn_ref.original_forward(hidden_states)
-        _, _, _, height, width = hidden_states.shape
-        _, p_h, p_w = module.patch_size
-        return rope_for_frames(module, p.positions.to(module.freqs_cos.device), height // p_h, width // p_w)
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = module.patch_size
+        rows = height // p_h
+        positions = torch.arange(frames // p_t) if p is None else p.positions
+        first_row = 0 if split is None else split.rank * rows
+        return rope_for_frames(module, positions.to(module.freqs_cos.device), rows, width // p_w, first_row)
+
+
+def install_rope_hook(transformer: torch.nn.Module) -> None:
+    """Register the hook on ``transformer.rope`` (once)."""
+    registry = HookRegistry.check_if_exists_or_initialize(transformer.rope)
+    if registry.get_hook(ROPE_HOOK_NAME) is None:
+        registry.register_hook(TemporalRoPEOffsetHook(transformer), ROPE_HOOK_NAME)

@@ -17,7 +17,10 @@ sequence: self-attention applies the pass's :class:`~diffusers_causal_kv.CausalM
 backend, a dense boolean mask otherwise), cross-attention always projects, and no engine is touched.
 
 Attention itself goes through ``dispatch_attention_fn`` with this processor's ``_attention_backend``, so
-``transformer.set_attention_backend(...)`` applies.
+``transformer.set_attention_backend(...)`` applies, and, for self-attention, its ``_parallel_config``, so that under
+``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=N), cp_plan=causal_cp_plan(transformer))``
+diffusers' Ulysses path attends a rank's queries over every rank's cached and current keys (cross-attention K/V are
+replicated, so each rank attends its own queries alone).
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ class CausalWanAttnProcessor:
         kv = engine.update(block_idx, p.info, key, value, rotary, p.memo_for(engine))
         if p.stages:
             p.stage_self(engine, block_idx, kv.commit_key, kv.commit_value)
-        return self._attend(query if rotary is None else rotary.apply(query), kv.key, kv.value)
+        # Under context parallelism the query holds this rank's rows of the chunk, the keys and values its rows of
+        # the prefix and the chunk: diffusers' Ulysses path attends each head over every rank's keys.
+        return self._attend(query if rotary is None else rotary.apply(query), kv.key, kv.value,
+                            parallel_config=self._parallel_config)
 
     def _context_kv(self, attn, p, encoder_hidden_states) -> CrossEntry:
         """The conditioning's K/V: the cached entry in no-grad cached passes once filled, else projected (and
@@ -113,9 +119,11 @@ class CausalWanAttnProcessor:
         backend = self._attention_backend or _AttentionBackendRegistry.get_active_backend()[0]
         return mask.block_mask(device) if AttentionBackendName(backend) in _FLEX else mask.dense(device)
 
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None) -> torch.Tensor:
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None,
+                parallel_config=None) -> torch.Tensor:
         out = dispatch_attention_fn(
-            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend,
+            parallel_config=parallel_config,
         )
         return out.flatten(2, 3).type_as(query)
 

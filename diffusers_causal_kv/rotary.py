@@ -23,10 +23,12 @@ def apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs
     return out.type_as(hidden_states)
 
 
-def rope_for_frames(rope: torch.nn.Module, frame_positions: torch.Tensor, height: int, width: int):
+def rope_for_frames(rope: torch.nn.Module, frame_positions: torch.Tensor, height: int, width: int,
+                    first_row: int = 0):
     """``(freqs_cos, freqs_sin)`` of shape ``[1, F*height*width, 1, head_dim]`` for temporal positions
     ``frame_positions`` (``[F]``, any integers inside the table) on a post-patch ``height x width`` grid of the
-    ``WanRotaryPosEmbed`` module ``rope``."""
+    ``WanRotaryPosEmbed`` module ``rope`` whose rows start at row ``first_row`` (a rank's rows under context
+    parallelism)."""
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
     num_frames = frame_positions.numel()
     shape = (num_frames, height, width, -1)
@@ -35,7 +37,7 @@ def rope_for_frames(rope: torch.nn.Module, frame_positions: torch.Tensor, height
         t, h, w = table.split(split, dim=1)
         parts = [
             t[frame_positions].view(num_frames, 1, 1, -1).expand(shape),
-            h[:height].view(1, height, 1, -1).expand(shape),
+            h[first_row:first_row + height].view(1, height, 1, -1).expand(shape),
             w[:width].view(1, 1, width, -1).expand(shape),
         ]
         return torch.cat(parts, dim=-1).reshape(1, num_frames * height * width, 1, -1)

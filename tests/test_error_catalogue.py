@@ -9,22 +9,26 @@ import ast
 import copy
 import pathlib
 import re
+from unittest import mock
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import ContextParallelConfig, FlowMatchEulerDiscreteScheduler, ParallelConfig
 from diffusers.hooks import FirstBlockCacheConfig
+from diffusers.hooks.context_parallel import apply_context_parallel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from helpers import VACE_CHANNELS, assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_vace, tiny_wan
 
 from diffusers_causal_kv import (
     CausalContext,
     CausalWanAttnProcessor,
+    CFGAcrossRanks,
     KVCacheEngine,
     RollingKVCacheEngine,
     StaticKVCacheEngine,
     StreamingRollout,
     block_causal_mask,
+    causal_cp_plan,
     causal_rollout,
     clear_caches,
     prefill,
@@ -32,6 +36,7 @@ from diffusers_causal_kv import (
     self_forcing_rollout,
     uninstall_causal_kv,
 )
+from diffusers_causal_kv.model import commits_together
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H = W = 4
@@ -123,11 +128,96 @@ def partially_installed():
     return model, lambda: forward(model, _x(1), T, text, start_frame=2)
 
 
-@case(NotImplementedError, "context parallelism")
-def context_parallelism():
+class _OneProcessMesh:
+    """A stand-in for the flattened device mesh of a context-parallel config (these checks run before any
+    collective, so one process reaches them; tests/test_parallel.py runs the real thing on two)."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def get_local_rank(self):
+        return 0
+
+    def get_group(self):
+        return self
+
+
+def _fake_parallelism(model, degree=2, plan=None, **config):
+    """What ``model.enable_parallelism(config=ContextParallelConfig(...), cp_plan=plan)`` records and registers,
+    without a process group (default plan: ``causal_cp_plan(model)``)."""
+    cp = ContextParallelConfig(**(config or {"ulysses_degree": degree}))
+    cp._flattened_mesh = _OneProcessMesh(degree)
+    model._parallel_config = ParallelConfig(context_parallel_config=cp)
+    apply_context_parallel(model, cp, causal_cp_plan(model) if plan is None else plan)
+    return model
+
+
+def _parallel_t2v(**parallelism):
     model, text = _t2v()
-    model.blocks[0].attn1.processor._parallel_config = object()  # what transformer.enable_parallelism() sets
+    return _fake_parallelism(model, **parallelism), text
+
+
+# Several devices (the checks before any work; tests/test_parallel.py runs two processes)
+@case(NotImplementedError, "ring attention")
+def context_parallel_ring_attention():
+    model, text = _parallel_t2v(ring_degree=2)
     return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(ValueError, "is not causal_cp_plan(transformer)")
+def context_parallel_with_diffusers_plan():
+    model, text = _t2v()
+    _fake_parallelism(model, plan=type(model)._cp_plan)
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(ValueError, "does not divide across", "grid height 2 does not divide across 4")
+def context_parallel_rows_not_divisible():
+    model, text = _parallel_t2v(degree=4)
+    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
+
+
+@case(ValueError, "per-token timesteps (Wan2.2 TI2V")
+def context_parallel_per_token_timesteps():
+    model, text = _parallel_t2v()
+    return model, lambda: forward(model, _x(1), torch.full((1, FRAME_TOKENS), 500.0), text, start_frame=2)
+
+
+@case(ValueError, "which context parallelism does not split", "mode='block_causal'")
+def context_parallel_mask_mode():
+    model, text = _parallel_t2v()
+    return model, lambda: forward(model, _x(2), T, text, start_frame=0, mode="block_causal", chunk_frames=1)
+
+
+@case(ValueError, "needs return_dict=False")
+def context_parallel_return_dict():
+    model, text = _parallel_t2v()
+
+    def trigger():
+        with torch.no_grad(), CausalContext(model, start_frame=2):
+            model(hidden_states=_x(1), timestep=T, encoder_hidden_states=text)
+    return model, trigger
+
+
+@case(RuntimeError, "commit refused on every rank")
+def commit_refused_by_another_rank():
+    """The report of a peer whose commit failed is simulated: the agreement answers "not every rank is ready"."""
+    model, text = _t2v()
+
+    def trigger():
+        with mock.patch("diffusers_causal_kv.model.forward_pass.agree", return_value=False), \
+                commits_together(group=object()):
+            forward(model, _x(1), ZERO, text, start_frame=2, store_kv=True)
+    return model, trigger
+
+
+@case(ValueError, "needs a process group of exactly 2 ranks", "got 4")
+def guidance_across_four_ranks():
+    model, _ = _t2v()
+    return model, lambda: CFGAcrossRanks(_OneProcessMesh(4))
 
 
 @case(ValueError, "needs a temporal patch size of 1", cached=False)

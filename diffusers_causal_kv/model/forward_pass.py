@@ -15,6 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ambient import held_commits, holding_commits, publishing, release_commits
 from ..kv_cache import BaseKVCacheEngine, CrossEntry, PassInfo, StagedChunk, owning_engine
 from ..masks import CausalMask
+from ..sharding import agree
 
 
 @dataclass(eq=False)
@@ -29,6 +30,9 @@ class ForwardPass:
     info: PassInfo | None = None
     mask: CausalMask | None = None
     recomputing: bool = False
+    group: object = None
+    """The process group of the ranks that split this forward's sequence (context parallelism): they commit
+    together."""
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedChunk]] = field(default_factory=dict, repr=False)
     _memos: dict[int, dict] = field(default_factory=dict, repr=False)
 
@@ -84,29 +88,52 @@ class ForwardPass:
             self.recomputing = previous
 
 
-def _commit_passes(passes: list[ForwardPass]) -> None:
+def _groups(passes: list[ForwardPass]) -> list:
+    """The process groups whose ranks commit ``passes`` together (each once, in the passes' order)."""
+    groups = []
+    for p in passes:
+        if p.group is not None and all(p.group is not g for g in groups):
+            groups.append(p.group)
+    return groups
+
+
+def _commit_passes(passes: list[ForwardPass], groups: list | None = None) -> None:
     """Write what ``passes`` staged in two phases, so that a failure (out of memory while allocating a new tag's
     storage) in any engine of any pass leaves every engine as it was: first every engine allocates, then every engine
-    writes."""
+    writes. With process ``groups`` (default: the passes' context-parallel groups), the ranks agree between the
+    phases: a failure on one rank leaves every rank's engines as they were."""
+    groups = _groups(passes) if groups is None else groups
     work = [(p.info, engine, staged) for p in passes for engine, staged in p._staged.values()]
-    prepared = []
+    prepared, failure = [], None
     try:
         for info, engine, staged in work:
             prepared.append((info, engine, engine.prepare_commit(info, staged)))
-    except BaseException:
+    except BaseException as error:
+        failure = error
+    refused = bool(groups) and not agree(failure is None, groups)
+    if failure is not None or refused:
         for info, engine, created in reversed(prepared):
             engine.abort_commit(info, created)
-        raise
+        if failure is not None:
+            raise failure
+        raise RuntimeError(
+            "commit refused on every rank: another rank failed to prepare its part of this chunk's commit (its own "
+            "error says why), so no rank wrote it; fix that rank's error and run the commit again on every rank."
+        )
     for info, engine, staged in work:
         engine.commit(info, staged)
 
 
 @contextlib.contextmanager
-def commits_together():
+def commits_together(group=None):
     """Hold the commits of the ``store_kv=True`` forwards run in the block and write them all when it exits without
     an error, or none of them: the rollout planner commits a chunk on every tag (``"pos"``, ``"neg"``) this way, so
     a failure on one tag cannot leave the tags at different frames. Each forward must use its own tag (a held commit
-    is not visible to later forwards of the block)."""
+    is not visible to later forwards of the block).
+
+    ``group``: a process group whose ranks commit their blocks together (guidance across ranks: each rank commits
+    its own tag); a rank whose block raises tells the others, so none commits. It must contain the ranks of every
+    context-parallel group of the forwards held (default: those groups)."""
     if held_commits() is not None:  # nested: the outermost block commits
         yield
         return
@@ -114,10 +141,14 @@ def commits_together():
     token = holding_commits(held)
     try:
         yield
+    except BaseException:
+        if group is not None:
+            agree(False, [group])  # the peers wait in their own agreement: none of them commits
+        raise
     finally:
         release_commits(token)
         held.closed = True  # a context copied inside the block (a task it started) then commits at once
-    _commit_passes(held)
+    _commit_passes(held, None if group is None else [group])
 
 
 class _HeldCommits(list):

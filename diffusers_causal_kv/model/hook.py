@@ -17,10 +17,17 @@ from diffusers.hooks import ModelHook
 
 from ..ambient import current_context, publishing
 from ..kv_cache import PassInfo
+from ..sharding import row_split
 from .checkpointing import route_checkpointing
 from .forward_pass import ForwardPass, conditioning_fingerprint
 from .topology import projection_state, topology
-from .validation import check_forward_inputs, check_rope_range, chunk_rope_start, sequence_mask
+from .validation import (
+    check_forward_inputs,
+    check_rope_range,
+    check_split_forward,
+    chunk_rope_start,
+    sequence_mask,
+)
 
 HOOK_NAME = "causal_kv"
 
@@ -71,7 +78,11 @@ class CausalForwardHook(ModelHook):
 def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> ForwardPass:
     """Validate a forward's inputs against the model and the engines (before any work) and describe it."""
     batch, num_frames, grid_h, grid_w = check_forward_inputs(transformer, inputs)
-    frame_tokens = grid_h * grid_w
+    split = row_split(transformer)
+    if split is not None:
+        check_split_forward(context.mode, inputs)
+    # Under context parallelism each rank runs (and caches) its rows of every frame.
+    frame_tokens = grid_h * grid_w // (1 if split is None else split.degree)
     rope = transformer.rope
     temporal_rope = (rope.freqs_cos[:, :rope.t_dim], rope.freqs_sin[:, :rope.t_dim])
     if context.mode != "cache":  # mask modes never touch the cache
@@ -98,7 +109,8 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
         engine.check_pass(info)
     # Positions last, so that a start_frame that does not continue the cache is reported as that.
     first = chunk_rope_start(transformer, context.cache_engines, info.cache_tag, info.start_frame, num_frames)
-    return ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info)
+    return ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info,
+                       group=None if split is None else split.group)
 
 
 def _refuse_block_skipping_hooks(transformer: torch.nn.Module) -> None:

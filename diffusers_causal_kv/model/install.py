@@ -29,8 +29,9 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ..ambient import current_context
 from ..kv_cache import BaseKVCacheEngine, KVCacheEngine
-from ..positions import ROPE_HOOK_NAME, TemporalRoPEOffsetHook
+from ..positions import ROPE_HOOK_NAME, install_rope_hook
 from ..processors import CausalWanAttnProcessor
+from ..sharding import check_split, context_parallel_config
 from .checkpointing import unroute_checkpointing
 from .hook import HOOK_NAME, CausalForwardHook
 from .topology import Topology, experts_of, topology
@@ -58,11 +59,12 @@ def prepare_transformer(
             "use CausalWanAttnProcessor, so their blocks would ignore the cache; install it on all of them with "
             "transformer.set_attn_processor(CausalWanAttnProcessor())."
         )
-    if any(attn.processor._parallel_config is not None for attn in attention):
-        raise NotImplementedError(
-            "context parallelism (transformer.enable_parallelism) shards the sequence across devices, which the causal "
-            "KV cache does not support yet; disable it for causal rollouts."
-        )
+    check_split(transformer)
+    # Processors installed after enable_parallelism() did not get its config, which sends self-attention through
+    # diffusers' Ulysses path: hand it to them.
+    parallel = transformer._parallel_config if context_parallel_config(transformer) is not None else None
+    for attn in attention:
+        attn.processor._parallel_config = parallel
     if transformer.config.patch_size[0] != 1:
         raise ValueError(
             f"patch_size={tuple(transformer.config.patch_size)} patches {transformer.config.patch_size[0]} latent "
@@ -179,11 +181,14 @@ def _install_hooks(transformer: torch.nn.Module) -> None:
             "offload_type='block_level'."
         )
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    # Our hook validates and describes the forward the caller passed, so it wraps the input split and output gather
+    # of context parallelism (diffusers' hooks named "cp_..."), also when enable_parallelism() came after it.
+    if registry.get_hook(HOOK_NAME) is not None and any(
+            name.startswith("cp_") for name in registry._hook_order[registry._hook_order.index(HOOK_NAME):]):
+        registry.remove_hook(HOOK_NAME, recurse=False)
     if registry.get_hook(HOOK_NAME) is None:
         registry.register_hook(CausalForwardHook(), HOOK_NAME)
-    rope_registry = HookRegistry.check_if_exists_or_initialize(transformer.rope)
-    if rope_registry.get_hook(ROPE_HOOK_NAME) is None:
-        rope_registry.register_hook(TemporalRoPEOffsetHook(), ROPE_HOOK_NAME)
+    install_rope_hook(transformer)
 
 
 def clear_caches(model: torch.nn.Module) -> None:
@@ -210,6 +215,7 @@ def uninstall_causal_kv(transformer: torch.nn.Module) -> None:
         if isinstance(attn.processor, CausalWanAttnProcessor):
             stock = WanAttnProcessor()
             stock._attention_backend = attn.processor._attention_backend
+            stock._parallel_config = attn.processor._parallel_config
             attn.set_processor(stock)
     for module, name in ((transformer, HOOK_NAME), (transformer.rope, ROPE_HOOK_NAME)):
         registry = getattr(module, "_diffusers_hook", None)

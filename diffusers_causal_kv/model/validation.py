@@ -13,6 +13,7 @@ import torch
 from ..kv_cache import BaseKVCacheEngine
 from ..masks import CausalMask, block_causal_mask, teacher_forcing_mask
 from ..processors import WAN_TEXT_CONTEXT_LENGTH
+from ..sharding import check_rows, row_split
 from .topology import topology
 
 
@@ -48,12 +49,35 @@ def check_forward_inputs(transformer: torch.nn.Module, inputs: dict) -> tuple[in
         )
     kind = topology(transformer)
     _check_timestep(inputs.get("timestep"), batch, num_frames * grid_h * grid_w, per_token=not kind.is_vace)
+    split = row_split(transformer)
+    if split is not None:
+        check_rows(split, grid_h, patch[1])
+        timestep = inputs.get("timestep")
+        if isinstance(timestep, torch.Tensor) and timestep.ndim == 2:
+            raise ValueError(
+                "per-token timesteps (Wan2.2 TI2V, expand_timesteps=True) cannot be split by causal_cp_plan, which "
+                "splits every frame's rows; run TI2V without context parallelism."
+            )
     _check_conditioning(transformer, kind.is_i2v, inputs.get("encoder_hidden_states"),
                         inputs.get("encoder_hidden_states_image"), batch)
     if kind.is_vace:
         _check_control(transformer, hidden_states, inputs.get("control_hidden_states"),
                        inputs.get("control_hidden_states_scale"))
     return batch, num_frames, grid_h, grid_w
+
+
+def check_split_forward(mode: str, inputs: dict) -> None:
+    """What a forward under ``causal_cp_plan`` needs beyond its inputs' shapes (checked before any work)."""
+    if mode != "cache":
+        raise ValueError(
+            f"mode={mode!r} attends with a whole-sequence mask, which context parallelism does not split; train "
+            "(block_causal / teacher_forcing) without transformer.enable_parallelism, or use the cache mode."
+        )
+    if inputs.get("return_dict", True):
+        raise ValueError(
+            "a forward under context parallelism needs return_dict=False: diffusers' split hook on the transformer "
+            "refuses its output dataclass after the forward ran; call transformer(..., return_dict=False)[0]."
+        )
 
 
 def check_rollout(transformer: torch.nn.Module, engines: dict[str, BaseKVCacheEngine], first_frame: int,
