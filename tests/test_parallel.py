@@ -213,3 +213,48 @@ def test_commits_agree_across_ranks():
 
 def test_guidance_across_ranks_equals_one_device():
     _spawn(check_guidance_across_ranks)
+
+
+def check_guidance_across_ranks_with_context_parallelism(rank):
+    """A 2-D mesh of 4 ranks: guidance tag x rows of the sequence."""
+    mesh = dist.device_mesh.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("cfg", "ring", "ulysses"))
+    single = _installed(tiny_wan(layers=2))
+    model = _installed(tiny_wan(layers=2))
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2, mesh=mesh["ring", "ulysses"]),
+                             cp_plan=causal_cp_plan(model))
+    with CFGAcrossRanks(mesh["cfg"].get_group(), commit_group=dist.group.WORLD):
+        got = _rollout(model)
+    _assert_close(got, _rollout(single))
+    assert model.kv_cache_engines["main"].tags() == (["neg"] if mesh["cfg"].get_local_rank() == 1 else ["pos"])
+    (self_mesh, cross_mesh), (self_single, cross_single) = _bytes(model), _bytes(single)
+    assert self_mesh * 4 == self_single and cross_mesh * 2 == cross_single
+
+
+def test_guidance_across_ranks_with_context_parallelism_on_a_2d_mesh():
+    _spawn(check_guidance_across_ranks_with_context_parallelism, world=4)
+
+
+# ---------------------------------------------------------------------------------------------- the torchrun example
+def _example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    import importlib.util
+    import os
+    import pathlib
+
+    torch.accelerator.device_count = lambda: 1  # the test-only shim of the module docstring
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "parallel_rollout.py"
+    spec = importlib.util.spec_from_file_location("parallel_rollout", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(argv)
+
+
+@pytest.mark.parametrize("argv", [["--cfg-parallel", "--guidance-scale", "3"], ["--stream"]],
+                         ids=["pipeline-cfg-parallel", "stream-context-parallel"])
+def test_torchrun_example(tmp_path, argv):
+    output = tmp_path / "out.mp4"
+    argv = [*argv, "--num-frames", "13", "--output", str(output)]
+    mp.spawn(_example_worker, args=(2, _free_port(), argv), nprocs=2, join=True)
+    assert output.stat().st_size > 0
