@@ -73,7 +73,16 @@ def assert_same_snapshot(before: dict, after: dict) -> None:
     for branch in before:
         (meta_a, bytes_a, tensors_a), (meta_b, bytes_b, tensors_b) = before[branch], after[branch]
         assert meta_a == meta_b and bytes_a == bytes_b and len(tensors_a) == len(tensors_b)
-        assert all(torch.equal(a, b) for a, b in zip(tensors_a, tensors_b))
+        assert all(same_tensor(a, b) for a, b in zip(tensors_a, tensors_b))
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` that also takes float8 tensors (which it refuses on CPU): same dtype, shape and bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return torch.equal(a, b)
 
 
 def window_mask(chunk_frames: list[int], frame_tokens: int, window_frames: int, sink_frames: int = 0) -> torch.Tensor:

@@ -19,6 +19,7 @@ stale there) and give the reference's results at its own.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -55,6 +56,19 @@ BF16 = torch.bfloat16
 # 0.03 (0.021 past the relative part). Another LoRA scale or one frame attended more or less moves some output by
 # more than this (test_the_reference_sees_the_lora_scale_and_the_bf16_tolerance_sees_a_missing_frame).
 BF16_ATOL, BF16_RTOL = 0.06, 0.02
+# fp8 storage (kv_dtype=torch.float8_e4m3fn). e4m3 keeps 3 mantissa bits, so rounding to the nearest code moves an
+# element by at most eps / 2 = 2**-4 of its value, plus half a subnormal step of its group's scale (2**-10 x amax / 448,
+# below 1e-5 for the K/V here): the K/V an engine holds match the reference's to rtol 2**-4 on top of the pass's own
+# tolerance (and, from the second block on, plus what the earlier blocks' attention over rounded K/V passed on, bounded
+# as the outputs are). Outputs: a relative error r in the cached keys shifts a score by at most r |q . k| / sqrt(d),
+# which scales softmax weights by up to e**(2 r |s|) and so moves the attention output by a fraction of max |V|; through
+# two blocks (norms, FFN, residuals) no bound follows from the format, so the output tolerance is the key/value rounding
+# scaled by FP8_OUTPUT_GAIN: the largest output error beyond the pass's own tolerance, in units of 2**-4, seen over
+# these operations (0.74, 250 examples per fp8 engine, outputs |x| ~ 1-5), with a margin of 2.7x. A missing frame still
+# moves outputs by more (test_the_reference_sees_the_lora_scale_and_the_bf16_tolerance_sees_a_missing_frame).
+FP8 = torch.float8_e4m3fn
+FP8_RELATIVE = torch.finfo(FP8).eps / 2
+FP8_OUTPUT_GAIN = 2.0
 PROPERTY_SETTINGS = settings(max_examples=140, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Under bf16 autocast, RMSNorm warns that its fp32 weight meets bf16 input (it then runs unfused); expected here.
@@ -85,11 +99,24 @@ def _latent(seed: int, batch: int, frames: int) -> torch.Tensor:
     return torch.randn(batch, 16, frames, 4, 4, generator=torch.Generator().manual_seed(seed))
 
 
-def _assert_close(got, expected, dtype, msg):
-    if dtype == BF16:
-        torch.testing.assert_close(got.float(), expected, rtol=BF16_RTOL, atol=BF16_ATOL, msg=msg)
-    else:
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=msg)
+def _tolerance(dtype, kv_dtype, part):
+    """(rtol, atol) of an engine's ``part`` (``"kv"``: what it holds, ``"output"``) against the fp32 reference, for
+    a pass in ``dtype`` on an engine storing ``kv_dtype``; ``None``: the pass's own."""
+    if kv_dtype is None:
+        return None
+    rtol, atol = (BF16_RTOL, BF16_ATOL) if dtype == BF16 else (0, 1e-5)
+    propagated = FP8_OUTPUT_GAIN * FP8_RELATIVE  # what attention over rounded K/V passes on (to later blocks too)
+    if part == "kv":  # rounded on top of what the earlier blocks passed on
+        return rtol * (1 + FP8_RELATIVE) + FP8_RELATIVE, (atol + propagated) * (1 + FP8_RELATIVE) + 1e-5
+    return rtol, atol + propagated
+
+
+def _assert_close(got, expected, dtype, msg, tolerance=None):
+    """``got`` against the fp32 reference: fp32 round-off, or ``tolerance`` (``(rtol, atol)``) where the pass's
+    dtype or the engine's fp8 storage rounds more."""
+    if tolerance is None:
+        tolerance = (BF16_RTOL, BF16_ATOL) if dtype == BF16 else (0, 1e-5)
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance[0], atol=tolerance[1], msg=msg)
 
 
 # ---------------------------------------------------------------------------------------------- the reference
@@ -202,8 +229,8 @@ class TagModel:
 class CacheModel:
     """What the documented rules say an engine holds. ``window``/``sink`` are None/0 for append-only engines."""
 
-    def __init__(self, kind: str, window: int | None = None, sink: int = 0):
-        self.kind, self.window, self.sink = kind, window, sink
+    def __init__(self, kind: str, window: int | None = None, sink: int = 0, kv_dtype: torch.dtype | None = None):
+        self.kind, self.window, self.sink, self.kv_dtype = kind, window, sink, kv_dtype
         self.tags: dict[str, TagModel] = {}
         self.resume: dict[str, int] = {}  # rolling: tags skipped forward before their first commit
 
@@ -323,14 +350,22 @@ class CacheModel:
                 tags.pop(tag, None)
 
     def memory_bytes(self) -> int:
-        """Bytes of the live tags only (a cleared tag holds nothing), in each tag's own dtype."""
+        """Bytes of the live tags only (a cleared tag holds nothing), in each tag's own dtype, or in fp8: one code
+        byte per element plus, per token and head, the bytes spreading its frame's float32 scales (one per group of
+        64 tokens) over the frame's tokens (a self frame; the whole text of a cross entry)."""
+        def per_head(frame_tokens, state):  # bytes of one token and head
+            if self.kv_dtype is None:
+                return state.dtype.itemsize * HEAD_DIM
+            return HEAD_DIM + math.ceil(4 * math.ceil(frame_tokens / 64) / frame_tokens)
+
         total = 0
         for state in self.tags.values():
-            size = state.batch * state.dtype.itemsize * 2 * BLOCKS * HEADS * HEAD_DIM  # K and V of one token
+            size = state.batch * 2 * BLOCKS * HEADS  # K and V, per token and byte of a head
             held = {"vanilla": len(state.frames), "static": STATIC_FRAMES * state.allocated,
                     "rolling": (self.window or 0) - 1 if state.allocated else 0}[self.kind]
             # A tag's first commit fills its cross entries too.
-            total += size * (held * FRAME_TOKENS + TEXT_LEN * (state.text_seed is not None))
+            total += size * (held * FRAME_TOKENS * per_head(FRAME_TOKENS, state)
+                             + TEXT_LEN * per_head(TEXT_LEN, state) * (state.text_seed is not None))
         return total
 
 
@@ -365,8 +400,9 @@ def _check_state(engine, model: CacheModel):
         kv = [[torch.cat([f.kv[block][i] for f in held], dim=1) for i in (0, 1)] for block in range(BLOCKS)]
         for block, (prefix, (key, value)) in enumerate(zip(prefixes, kv)):
             assert prefix[0].dtype == prefix[1].dtype == state.dtype
-            _assert_close(prefix[0], key, state.dtype, f"keys of block {block}, {tag!r}")
-            _assert_close(prefix[1], value, state.dtype, f"values of block {block}, {tag!r}")
+            tolerance = _tolerance(state.dtype, engine.kv_dtype, "kv")
+            _assert_close(prefix[0], key, state.dtype, f"keys of block {block}, {tag!r}", tolerance)
+            _assert_close(prefix[1], value, state.dtype, f"values of block {block}, {tag!r}", tolerance)
 
 
 class Pass(NamedTuple):
@@ -459,7 +495,7 @@ def _run_ops(engine, model: CacheModel, ops):
             out = _forward(engine, p.tag, start, x, t, text, name == "commit", scale, dtype)
             expected, _ = reference(frames)
             assert out.dtype == dtype
-            _assert_close(out, expected, dtype, f"{op}")
+            _assert_close(out, expected, dtype, f"{op}", _tolerance(dtype, engine.kv_dtype, "output"))
             if name == "commit":
                 model.commit(p.tag, frames, p.batch, text_seed, scale, dtype)
         elif name == "crop":
@@ -504,6 +540,11 @@ ENGINE_KINDS = {
     "vanilla": lambda: (VanillaKVCacheEngine(), CacheModel("vanilla")),
     "static": lambda: (StaticKVCacheEngine(max_frames=STATIC_FRAMES), CacheModel("static")),
     "rolling": lambda: (RollingKVCacheEngine(4, sink_frames=1), CacheModel("rolling", 4, 1)),
+    "vanilla-fp8": lambda: (VanillaKVCacheEngine(kv_dtype=FP8), CacheModel("vanilla", kv_dtype=FP8)),
+    "static-fp8": lambda: (StaticKVCacheEngine(max_frames=STATIC_FRAMES, kv_dtype=FP8),
+                           CacheModel("static", kv_dtype=FP8)),
+    "rolling-fp8": lambda: (RollingKVCacheEngine(4, sink_frames=1, kv_dtype=FP8),
+                            CacheModel("rolling", 4, 1, kv_dtype=FP8)),
 }
 
 
@@ -528,6 +569,18 @@ def _read(tag, frames, t=500.0, **kwargs):
               _read("pos", 1, change="scale"), ("clear", "pos"), _commit("pos", 1), _commit("neg", 1, dtype=BF16),
               _read("neg", 2, change="dtype"), ("clear", None), _commit("neg", 2), _read("neg", 1)])
 def test_append_only_engines_follow_the_cache_model(kind, ops):
+    engine, model = ENGINE_KINDS[kind]()
+    _run_ops(engine, model, ops)
+
+
+# The same operations on engines storing fp8 (kv_dtype=FP8), to the fp8 tolerances (_tolerance); memory_bytes() is
+# the fp8 size (CacheModel.memory_bytes).
+@pytest.mark.parametrize("kind", ["vanilla-fp8", "static-fp8", "rolling-fp8"])
+@settings(PROPERTY_SETTINGS, max_examples=20)
+@given(ops=OP_LISTS)
+@example(ops=[_commit("pos", 2), _commit("neg", 1, dtype=BF16), _read("pos", 1), _commit("pos", 2),
+              ("crop", "pos", -1), _commit("pos", 1), ("skip", "neg", 2), _read("neg", 1), _commit("pos", 2)])
+def test_fp8_engines_follow_the_cache_model(kind, ops):
     engine, model = ENGINE_KINDS[kind]()
     _run_ops(engine, model, ops)
 
@@ -558,7 +611,7 @@ def test_rolling_engine_follows_the_cache_model(shape, ops):
 
 # Many tags, each filled, read, cropped and cleared a few times: the engine holds exactly the live tags (memory,
 # tags()), and a cleared tag refills with any batch size, prompt, LoRA scale or dtype.
-@pytest.mark.parametrize("kind", sorted(ENGINE_KINDS))
+@pytest.mark.parametrize("kind", ["rolling", "static", "vanilla"])
 @settings(PROPERTY_SETTINGS, max_examples=30)
 @given(ops=_operations(CHURN_TAGS, clears=3))
 @example(ops=[_commit("req0", 2), _commit("req1", 1, dtype=BF16), ("clear", "req0"), _commit("req2", 1, batch=2),
@@ -572,7 +625,8 @@ def test_tag_churn_holds_only_live_tags(kind, ops):
 def test_the_reference_sees_the_lora_scale_and_the_bf16_tolerance_sees_a_missing_frame():
     """The reference forward applies the LoRA layers (they sit in the projections its processor calls) at the
     forward's scale: it equals the stock masked forward at that scale and differs between scales and from the model
-    with its adapter off; and attending one frame less moves outputs by more than the bf16 tolerance."""
+    with its adapter off; and attending one frame less moves outputs by more than the bf16 and the (fp32 pass) fp8
+    tolerances."""
     text = _text(0, 1)
     x = _latent(1, 1, 3)
     history = _chunk_frames(x[:, :, :2], 0.0, 0, text, [], 0.5, torch.float32)
@@ -592,7 +646,9 @@ def test_the_reference_sees_the_lora_scale_and_the_bf16_tolerance_sees_a_missing
     torch.testing.assert_close(out, runs[0.5, True], rtol=0, atol=1e-5)
     fewer = _chunk_frames(x[:, :, 2:], 500.0, 2, text, history[1:], 0.5, torch.float32)
     for other in (runs[1.0, True], runs[0.5, False], reference(fewer)[0]):
-        assert not torch.allclose(other, out, rtol=BF16_RTOL, atol=BF16_ATOL)
+        for dtype, kv_dtype in ((BF16, None), (torch.float32, FP8)):
+            rtol, atol = _tolerance(dtype, kv_dtype, "output") or (BF16_RTOL, BF16_ATOL)
+            assert not torch.allclose(other, out, rtol=rtol, atol=atol), (dtype, kv_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- chunk schedules

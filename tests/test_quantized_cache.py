@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_wan
+from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward, same_tensor, tiny_wan
 
 from diffusers_causal_kv import (
     CausalWanAttnProcessor,
@@ -423,3 +423,14 @@ def test_benchmark_reports_memory_and_errors(capsys):
     for error in report["errors"].values():
         for part in ("flow", "final_latents"):
             assert 0 < error[part]["mean_abs"] <= error[part]["max_abs"] < error[part]["reference_mean_abs"]
+
+
+def test_snapshot_comparison_takes_float8_tensors():
+    """tests/helpers.py compares snapshots bytewise where torch.equal refuses float8 on CPU."""
+    codes = torch.randn(2, 3).to(FP8)
+    before = {"main": ({}, 0, [codes])}
+    assert_same_snapshot(before, {"main": ({}, 0, [codes.clone()])})
+    changed = codes.clone()
+    changed.view(torch.uint8)[0, 0] += 1
+    for other in (changed, codes.to(torch.float8_e5m2), codes.float()):
+        assert not same_tensor(codes, other)
