@@ -27,7 +27,11 @@ class CausalContext:
             positions (``start_frame, start_frame + 1, ...``) and must continue the tag's cache: it equals the
             engine's ``next_frame(cache_tag)`` (for append-only engines, the number of cached frames), on
             denoising and commit passes alike.
-        cache_tag (str): namespace of the cache entries read and written, e.g. ``"pos"``/``"neg"`` for CFG.
+        cache_tag (str | tuple[str, ...]): namespace of the cache entries read and written, e.g. ``"pos"``/``"neg"``
+            for CFG. A tuple of distinct tags runs a batch of several tags in one forward (the rollout planner's
+            batched guidance): the batch splits into ``len(cache_tag)`` equal groups of rows, in order, and each group
+            reads and commits its own tag, as separate forwards on each tag would. ``cache_tags`` holds the tags as
+            a tuple either way.
         store_kv (bool): when True, the forward's self K/V (and, the first time, the cross-attention K/V) are
             committed to the cache once the forward returns. A forward that raises commits nothing.
         cache_engines (dict[str, BaseKVCacheEngine]): the engines read and written, one per branch (``"main"``,
@@ -75,12 +79,19 @@ class CausalContext:
             raise TypeError(f"start_frame must be an int (a latent frame index), got {type(start_frame).__name__}.")
         if start_frame < 0:
             raise ValueError(f"start_frame must be >= 0, got {start_frame}; pass the latent frame the chunk starts at.")
-        if not isinstance(cache_tag, str):
-            raise TypeError(f"cache_tag must be a str such as 'pos' or 'neg', got {type(cache_tag).__name__}.")
+        tags = cache_tag if isinstance(cache_tag, tuple) and cache_tag else (cache_tag,)
+        for tag in tags:
+            if not isinstance(tag, str):
+                raise TypeError(f"cache_tag must be a str such as 'pos' or 'neg' (or a tuple of them), got "
+                                f"{type(tag).__name__}.")
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"cache_tag={cache_tag!r} names a tag twice; a batch of tags gives each tag one group of "
+                             "rows, so name each tag once.")
         _check_mode(mode, store_kv, chunk_frames, window_frames, sink_frames, mask)
         self.transformer = transformer
         self.start_frame = start_frame
         self.cache_tag = cache_tag
+        self.cache_tags = tags
         self.store_kv = bool(store_kv)
         self._requested_engines = cache_engines
         self.mode = mode

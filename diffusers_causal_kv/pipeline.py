@@ -253,6 +253,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         cache_engines: dict | None = None,
     ) -> WanPipelineOutput | tuple:
         """Generate a video chunk by chunk with the KV cache.
+        cfg_batch: bool = True,
 
         Args:
             prompt / negative_prompt / prompt_embeds / negative_prompt_embeds / max_sequence_length /
@@ -281,6 +282,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
             cache_engines: the engine map of this call; default the transformer's ``kv_cache_engines``.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            cfg_batch: with guidance, run a chunk's ``"pos"`` and ``"neg"`` passes as one forward over a batch of the
+                two tags (default), ``False`` for two forwards (:class:`~diffusers_causal_kv.RolloutPlanner`).
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
                                               context_noise=context_noise, context_noise_mode=context_noise_mode,
@@ -312,7 +315,8 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
 
         planner = RolloutPlanner(
             self, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds, cache_engines=cache_engines,
-            generator=generator, attention_kwargs=attention_kwargs, **self._guidance(), **per_frame)
+            generator=generator, attention_kwargs=attention_kwargs, cfg_batch=cfg_batch, **self._guidance(),
+            **per_frame)
         template = torch.zeros(shape, device=device) if latents is None else latents.to(device, torch.float32)
         chunks = planner.plan(template, chunk_frames)
         scheduler = self.scheduler if num_inference_steps else None
@@ -394,6 +398,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         overlap: bool | None = None,
     ) -> CausalWanStream:
         """Generate chunk by chunk and yield each chunk's frames as soon as it is decoded (:class:`StreamChunk`).
+        cfg_batch: bool = True,
 
         Args:
             num_frames: video frames to generate (``4k + 1``, split into chunks as a pipeline call splits them;
@@ -468,7 +473,7 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 context_noise_mode=settings.context_noise_mode, cache_engines=engines, generator=generator,
                 image_embeds=inputs.pop("image_embeds", None), control_scale=inputs.pop("control_scale", None),
                 first_frame_latents=inputs.pop("first_frame_latents", None), attention_kwargs=attention_kwargs,
-                **self._guidance())
+                cfg_batch=cfg_batch, **self._guidance())
         made = CausalWanStream(self, rollout, shape=shape, sizes=sizes, generator=generator, encode_prompt=encode,
                                prompt_schedule=prompt_schedule, switch_mode=prompt_switch, output_type=output_type,
                                inputs=inputs["per_chunk"], decode=output_type != "latent",

@@ -30,6 +30,7 @@ from .model import (
     resolve_engines,
     topology,
 )
+from .sharding import row_split
 
 
 def check_context_noise(context_noise: float, mode: str) -> None:
@@ -104,6 +105,10 @@ class RolloutPlanner:
             per-token timesteps; with ``first_frame_latents`` (the encoded image, ``[batch, channels, 1, h, w]``),
             latent frame 0 is that image, its tokens at timestep 0, blended into every forward's input and into
             the chunk's result, as ``WanImageToVideoPipeline(expand_timesteps=True)`` does.
+        cfg_batch: with guidance on one device (no ``CFGAcrossRanks``, no context parallelism), run a chunk's
+            ``cache_tag`` and ``"neg"`` passes, denoising and commit, as one forward over a batch of the two tags
+            (each half of the batch reads and commits its own tag; equal to the two forwards). ``False``: two
+            forwards. Prompts of different shapes always run as two forwards.
     """
 
     def __init__(self, model, prompt_embeds: torch.Tensor, *, negative_prompt_embeds: torch.Tensor | None = None,
@@ -112,7 +117,8 @@ class RolloutPlanner:
                  control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
                  generator: torch.Generator | None = None, attention_kwargs: dict | None = None,
                  guidance_scale_2: float | None = None, boundary_ratio: float | None = None,
-                 expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None) -> None:
+                 expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None,
+                 cfg_batch: bool = True) -> None:
         transformers = experts_of(model)
         if len(transformers) == 2 and transformers[0] is transformers[1]:
             raise ValueError("transformer_2 is the same module as transformer; the two experts of Wan2.2 A14B are two "
@@ -139,6 +145,8 @@ class RolloutPlanner:
         # self.cache_engines stays the first expert's map (set above), not the two-expert map given
         self.control_scale, self.generator = control_scale, generator
         self.attention_kwargs = attention_kwargs
+        self.cfg_batch = cfg_batch
+        self._joined_prompts: tuple = ((), None)  # (the prompts, with versions, and their concatenation)
 
     def with_frames(self, condition_latents: torch.Tensor | None = None,
                     control_latents: torch.Tensor | None = None) -> RolloutPlanner:
@@ -215,8 +223,37 @@ class RolloutPlanner:
         """The expert that denoises at timestep ``t`` (the one the stock pipelines pick for that timestep)."""
         return self.experts[0] if self.boundary is None or float(t) >= self.boundary else self.experts[1]
 
-    def inputs(self, x: torch.Tensor, t, tag: str, chunk: Chunk) -> dict:
-        """The transformer's keyword arguments for the chunk's latents ``x`` at timestep ``t`` on ``tag``."""
+    def batched_tags(self, expert: Expert) -> tuple[str, ...] | None:
+        """The tags one forward of ``expert`` runs as a batch (guidance on one device, ``cfg_batch``), or ``None``
+        when each tag runs its own forward."""
+        if not (self.use_cfg and self.cfg_batch) or self.cfg_ranks() is not None or (
+                row_split(expert.transformer) is not None):
+            return None
+        tags = (self.cache_tag, "neg")
+        prompts = [self.prompts[tag] for tag in tags]
+        return tags if prompts[0].shape == prompts[1].shape else None
+
+    def _prompts_of(self, tags: tuple[str, ...]) -> torch.Tensor:
+        """The tags' prompts joined along the batch: one tensor while the prompts are unchanged, so that the
+        transformer hook fingerprints it once."""
+        prompts = tuple(self.prompts[tag] for tag in tags)
+        key = tuple((id(p), None if p.is_inference() else p._version) for p in prompts)
+        known, joined = self._joined_prompts
+        if known != key or any(p.is_inference() for p in prompts):
+            joined = torch.cat(prompts)
+            self._joined_prompts = (key, joined)
+        return joined
+
+    def inputs(self, x: torch.Tensor, t, tag: str | tuple[str, ...], chunk: Chunk) -> dict:
+        """The transformer's keyword arguments for the chunk's latents ``x`` at timestep ``t`` on ``tag`` (a tuple:
+        one batch of every tag's inputs, in order)."""
+        if isinstance(tag, tuple):
+            inputs = self.inputs(x, t, tag[0], chunk)
+            for name in ("hidden_states", "timestep", "encoder_hidden_states_image", "control_hidden_states"):
+                if inputs.get(name) is not None:
+                    inputs[name] = torch.cat([inputs[name]] * len(tag))
+            inputs["encoder_hidden_states"] = self._prompts_of(tag)
+            return inputs
         part = {k: None if v is None else v[:, :, chunk.offset:chunk.offset + chunk.size]
                 for k, v in self.per_frame.items()}
         condition = part["condition_latents"]
@@ -253,9 +290,10 @@ class RolloutPlanner:
         mask[:, :, 0] = 0
         return (1 - mask) * self.first_frame_latents.to(x.dtype) + mask * x
 
-    def forward(self, x: torch.Tensor, t, chunk: Chunk, tag: str, store_kv: bool = False,
+    def forward(self, x: torch.Tensor, t, chunk: Chunk, tag: str | tuple[str, ...], store_kv: bool = False,
                 expert: Expert | None = None) -> torch.Tensor:
-        """One transformer forward on a chunk under its :class:`CausalContext` (the expert of timestep ``t``)."""
+        """One transformer forward on a chunk under its :class:`CausalContext` (the expert of timestep ``t``); a
+        tuple of tags runs them as one batch and returns their outputs joined in that order."""
         expert = self.expert_for(t) if expert is None else expert
         with CausalContext(expert.transformer, start_frame=chunk.frame, cache_tag=tag, store_kv=store_kv,
                            cache_engines=expert.cache_engines):
@@ -270,6 +308,10 @@ class RolloutPlanner:
         if cfg is not None:  # this rank runs one tag; the two predictions are combined across ranks
             local = self.forward(x, t, chunk, cfg.tag(self.cache_tag), expert=expert)
             return cfg.combine(local, expert.guidance_scale).to(x.dtype)
+        tags = self.batched_tags(expert)
+        if tags is not None:
+            cond, uncond = self.forward(x, t, chunk, tags, expert=expert).chunk(2)
+            return (uncond + expert.guidance_scale * (cond - uncond)).to(x.dtype)
         cond = self.forward(x, t, chunk, self.cache_tag, expert=expert)
         if not self.use_cfg:
             return cond.to(x.dtype)
@@ -299,5 +341,6 @@ class RolloutPlanner:
         # Every expert's cache needs the K/V of its own weights; with guidance across ranks, every rank's tag.
         with torch.no_grad(), commits_together(None if cfg is None else cfg.commit_group):
             for expert in self.experts:
-                for tag in tags:
+                batched = self.batched_tags(expert)
+                for tag in tags if batched is None else [batched]:
                     self.forward(x, context_noise, chunk, tag, store_kv=True, expert=expert)

@@ -10,7 +10,9 @@ registered the module (never a hardcoded branch) and then:
   followed by the chunk), and, in a ``store_kv=True`` forward, stages the chunk's K/V as the engine stores them;
 * cross-attention (``attn2``): in no-grad forwards reads the tag's cross entry when it is filled and skips the K/V
   projections; otherwise projects the conditioning (text, plus Wan2.1 I2V image tokens) and, in a
-  ``store_kv=True`` forward, stages it for the commit.
+  ``store_kv=True`` forward, stages it for the commit;
+* a batch of several tags (``CausalContext(cache_tag=("pos", "neg"))``): projects the whole batch at once and
+  attends each tag's rows over that tag's cache (and cross entry), as above.
 
 In the mask modes (``CausalContext(..., mode="block_causal" | "teacher_forcing")``) the forward is a whole
 sequence: self-attention applies the pass's :class:`~diffusers_causal_kv.CausalMask` (a ``BlockMask`` for the flex
@@ -68,12 +70,14 @@ class CausalWanAttnProcessor:
                 self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
             )
         if encoder_hidden_states is not None:
-            out = self._attend_context(attn, hidden_states, self._context_kv(attn, p, encoder_hidden_states))
+            out = _by_tag(p, lambda part, h, e: self._attend_context(attn, h, self._context_kv(attn, part, e)),
+                          hidden_states, encoder_hidden_states)
         else:
             query, key, value = _get_qkv_projections(attn, hidden_states, None)
             query, key, value = _heads(attn, attn.norm_q(query), attn.norm_k(key), value)
             if p.mask is None:
-                out = self._attend_cached(attn, p, query, key, value, rotary_emb)
+                out = _by_tag(p, lambda part, q, k, v: self._attend_cached(attn, part, q, k, v, rotary_emb),
+                              query, key, value)
             else:  # a mask mode: the whole sequence at once, no cache
                 query, key = apply_rotary_emb(query, *rotary_emb), apply_rotary_emb(key, *rotary_emb)
                 out = self._attend(query, key, value, self._dispatchable(p.mask, query.device))
@@ -126,6 +130,16 @@ class CausalWanAttnProcessor:
             parallel_config=parallel_config,
         )
         return out.flatten(2, 3).type_as(query)
+
+
+def _by_tag(p, attend, *tensors: torch.Tensor) -> torch.Tensor:
+    """``attend(p, *tensors)``; for a batch of tags, ``attend`` on each tag's rows with that tag's pass, joined in
+    batch order (the projections around it run once over the whole batch)."""
+    if p.tag_passes is None:
+        return attend(p, *tensors)
+    rows = tensors[0].shape[0] // len(p.tag_passes)
+    return torch.cat([attend(part, *(t[i * rows:(i + 1) * rows] for t in tensors))
+                      for i, part in enumerate(p.tag_passes)])
 
 
 def _heads(attn: torch.nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

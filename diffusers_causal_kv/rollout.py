@@ -118,6 +118,7 @@ def causal_rollout(
     expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None,  # Wan2.2 TI2V
     progress: bool = True,
     continue_cache: bool = False,
+    cfg_batch: bool = True,
 ) -> RolloutOutput:
     """Generate ``noise.shape[2]`` latent frames chunk by chunk with the KV cache.
 
@@ -151,6 +152,8 @@ def causal_rollout(
         continue_cache: keep the cache instead of clearing it, and start at the frame the ``"main"`` engine's
             ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
             earlier rollout); the per-frame inputs still cover the generated frames only.
+        cfg_batch: with guidance, run the ``"pos"`` and ``"neg"`` passes of a chunk as one forward over a batch of
+            the two tags (default; see :class:`~diffusers_causal_kv.RolloutPlanner`), ``False`` for two forwards.
     """
     planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
@@ -158,7 +161,7 @@ def causal_rollout(
                              control_scale=control_scale, cache_engines=cache_engines, generator=generator,
                              attention_kwargs=attention_kwargs, guidance_scale_2=guidance_scale_2,
                              boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps,
-                             first_frame_latents=first_frame_latents)
+                             first_frame_latents=first_frame_latents, cfg_batch=cfg_batch)
     if scheduler is not None and not num_inference_steps:
         raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
     sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear

@@ -215,6 +215,7 @@ class StreamingRollout:
         cache_engines: engine map of this rollout; default ``transformer.kv_cache_engines``.
         image_embeds / control_scale / attention_kwargs: Wan2.1 I2V image embeddings, the VACE layers' scale and
             the forwards' ``attention_kwargs``, for every chunk.
+        cfg_batch: with guidance, the two tags' passes of a chunk as one batched forward (default) or two.
         **experts: Wan2.2 settings passed to :class:`~diffusers_causal_kv.RolloutPlanner` (``guidance_scale_2``,
             ``boundary_ratio``, ``expand_timesteps``, ``first_frame_latents``).
 
@@ -238,6 +239,7 @@ class StreamingRollout:
         image_embeds: torch.Tensor | None = None,
         control_scale: torch.Tensor | None = None,
         attention_kwargs: dict | None = None,
+        cfg_batch: bool = True,
         **experts,
     ) -> None:
         self.transformer = resolve_transformer(model)
@@ -247,7 +249,7 @@ class StreamingRollout:
         self._planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                                        guidance_scale=guidance_scale, cache_engines=cache_engines, generator=generator,
                                        image_embeds=image_embeds, control_scale=control_scale,
-                                       attention_kwargs=attention_kwargs, **experts)
+                                       attention_kwargs=attention_kwargs, cfg_batch=cfg_batch, **experts)
         self.prompts = self._planner.prompts
         self.guidance_scale, self.chunk_frames = guidance_scale, chunk_frames
         self.timesteps, self.shift = timesteps, shift

@@ -368,6 +368,26 @@ def cache_tag_not_str():
     return _context(cache_tag=1)
 
 
+@case(ValueError, "names a tag twice", r"\('pos', 'pos'\)")
+def batch_of_one_tag_twice():
+    return _context(cache_tag=("pos", "pos"))
+
+
+@case(ValueError, "splits the batch into", "2 equal groups of rows .* has 3 rows")
+def batch_of_tags_uneven():
+    model, text = _t2v()
+    return model, lambda: forward(model, _x(1, batch=3), T.expand(3), text.expand(3, -1, -1), start_frame=2,
+                                  cache_tag=("pos", "neg"))
+
+
+@case(ValueError, "the tags of this batch place the chunk at different RoPE positions", r"'pos': [1-9], 'neg': 0")
+def batch_of_tags_at_other_positions():
+    model, text = _t2v(4, RollingKVCacheEngine(3, positions="relative"))
+    model.kv_cache_engines["main"].skip_to(4, "neg")
+    return model, lambda: forward(model, _x(1, batch=2), T.expand(2), text.expand(2, -1, -1), start_frame=4,
+                                  cache_tag=("pos", "neg"))
+
+
 @case(ValueError, "start_frame must be >= 0", "got -1")
 def negative_start_frame():
     return _context(start_frame=-1)

@@ -102,10 +102,11 @@ def test_t2v_blocks_match_causal_rollout(batch, chunk_frames, guidance_scale, sa
                    generator=torch.Generator().manual_seed(SEED), output="latents", **sampler, **few_step)
 
     reference_engines = {"main": KVCacheEngine()} if session_engines else None
+    # The guider runs one forward per tag: so does the reference (cfg_batch=False), for bitwise equality.
     reference = causal_rollout(
         transformer, noise, text, negative_prompt_embeds=negative, guidance_scale=guidance_scale,
         chunk_frames=chunk_frames, context_noise=context_noise, context_noise_mode=mode,
-        cache_engines=reference_engines,
+        cache_engines=reference_engines, cfg_batch=False,
         scheduler=None if sampling is None else _flow_scheduler(sampling),
         generator=torch.Generator().manual_seed(SEED), progress=False, **sampler, **few_step,
     )
@@ -128,7 +129,7 @@ def test_i2v_blocks_match_causal_rollout():
                image_embeds=image, latents=noise, chunk_frames=2, generator=torch.Generator().manual_seed(SEED),
                output_type="pt", output=["latents", "videos"])
     reference = causal_rollout(transformer, noise, text, negative_prompt_embeds=negative, guidance_scale=4.0,
-                               condition_latents=condition, image_embeds=image, chunk_frames=2,
+                               condition_latents=condition, image_embeds=image, chunk_frames=2, cfg_batch=False,
                                generator=torch.Generator().manual_seed(SEED), progress=False)
     assert torch.equal(out["latents"], reference.latents)
     assert out["videos"].shape[1:3] == (4 * (FRAMES - 1) + 1, 3)  # decoded by the stock VAE step
@@ -148,7 +149,7 @@ def test_guider_window_restarts_with_every_chunk_and_every_tag_is_committed():
 
     # Reference: the few-step loop by hand on the planner, guided at steps 0 and 1 of each chunk only.
     planner = RolloutPlanner(transformer, text, negative_prompt_embeds=negative, guidance_scale=3.0,
-                             generator=torch.Generator().manual_seed(SEED))
+                             generator=torch.Generator().manual_seed(SEED), cfg_batch=False)  # as the guider
     sigmas = shifted_sigmas(timesteps, 5.0).tolist()
     chunks = planner.plan(noise, 2)
     planner.clear()

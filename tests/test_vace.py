@@ -174,8 +174,9 @@ def test_vace_rollout_slices_control_and_runs_cfg():
     scale = torch.tensor([1.0, 0.5])
     result = causal_rollout(model, noise, text, negative_prompt_embeds=negative, guidance_scale=3.0, chunk_frames=1,
                             timesteps=[1000, 500], control_latents=control, control_scale=scale,
-                            generator=torch.Generator().manual_seed(1), progress=False)
-    # The same rollout by hand, chunk by chunk, with the control sliced to each chunk.
+                            generator=torch.Generator().manual_seed(1), progress=False, cfg_batch=False)
+    # The same rollout by hand (a forward per tag, as cfg_batch=False runs it), chunk by chunk, with the control
+    # sliced to each chunk.
     clear_caches(model)
     g = torch.Generator().manual_seed(1)
     from diffusers_causal_kv.rollout import shifted_sigmas

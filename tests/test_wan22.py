@@ -115,7 +115,8 @@ def test_ti2v_cached_forwards_equal_the_masked_full_forward_with_per_token_times
     recorder = Recorder(model)
     out = causal_rollout(model, noise, text, negative_prompt_embeds=negative, guidance_scale=3.0,
                          chunk_frames=[2, 1, 2], timesteps=(1000, 500), context_noise=100.0, expand_timesteps=True,
-                         first_frame_latents=image, generator=torch.Generator().manual_seed(1), progress=False)
+                         first_frame_latents=image, generator=torch.Generator().manual_seed(1), progress=False,
+                         cfg_batch=False)  # one recorded forward per tag
     recorder.remove()
     assert all(c["t"].shape == (2, c["x"].shape[2] * FRAME_TOKENS) for c in recorder.calls)  # per token
     first = [c for c in recorder.calls if c["start"] == 0]
@@ -186,7 +187,7 @@ def test_each_expert_equals_its_own_masked_full_forward_and_runs_on_its_side_of_
     high, low = Recorder(experts.transformer), Recorder(experts.transformer_2)
     causal_rollout(experts, noise, text, negative_prompt_embeds=negative, guidance_scale=3.0, guidance_scale_2=2.0,
                    boundary_ratio=BOUNDARY, chunk_frames=[2, 1, 2], timesteps=STRADDLING, shift=5.0,
-                   generator=torch.Generator().manual_seed(1), progress=False)
+                   generator=torch.Generator().manual_seed(1), progress=False, cfg_batch=False)  # a forward per tag
     high.remove()
     low.remove()
     passed = [1000 * s for s in shifted_sigmas(STRADDLING, 5.0).tolist()]

@@ -33,6 +33,9 @@ class ForwardPass:
     group: object = None
     """The process group of the ranks that split this forward's sequence (context parallelism): they commit
     together."""
+    tag_passes: list[ForwardPass] | None = None
+    """A batch of several tags (``CausalContext(cache_tag=(...))``): the pass of each tag's group of rows, in batch
+    order, each with its own info, staged K/V and memos; this pass itself has no info."""
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedChunk]] = field(default_factory=dict, repr=False)
     _memos: dict[int, dict] = field(default_factory=dict, repr=False)
 
@@ -61,10 +64,11 @@ class ForwardPass:
     def commit(self) -> None:
         """Write what this ``store_kv=True`` forward staged into every engine, or, inside :func:`commits_together`,
         hold it for the block's end."""
-        if self.info is None or not self.info.store_kv:
+        parts = self.tag_passes or [self]  # a batch of tags commits every tag's rows, all or none
+        if parts[0].info is None or not parts[0].info.store_kv:
             return
-        for engine in self.engines.values():
-            staged = self._staged.get(id(engine), (engine, StagedChunk()))[1]
+        for part, engine in ((part, engine) for part in parts for engine in self.engines.values()):
+            staged = part._staged.get(id(engine), (engine, StagedChunk()))[1]
             if len(staged.self_kv) != engine.num_blocks:
                 raise RuntimeError(
                     f"store_kv forward ran self-attention in {len(staged.self_kv)} of {engine.num_blocks} blocks of "
@@ -73,19 +77,23 @@ class ForwardPass:
                 )
         held = held_commits()
         if held is None or held.closed:
-            _commit_passes([self])
+            _commit_passes(parts)
         else:
-            held.append(self)
+            held.extend(parts)
 
     @contextlib.contextmanager
     def running(self, recomputing: bool = False):
         """Publish this pass to the attention code (and flag a checkpoint recomputation) for the enclosed code."""
-        previous, self.recomputing = self.recomputing, recomputing
+        parts = [self, *(self.tag_passes or ())]
+        previous = [p.recomputing for p in parts]
+        for p in parts:
+            p.recomputing = recomputing
         try:
             with publishing(self):
                 yield self
         finally:
-            self.recomputing = previous
+            for p, was in zip(parts, previous):
+                p.recomputing = was
 
 
 def _groups(passes: list[ForwardPass]) -> list:
@@ -160,22 +168,25 @@ class _HeldCommits(list):
 _FINGERPRINTS = WeakIdKeyDictionary()
 
 
-def conditioning_fingerprint(tensors) -> tuple:
-    """A value fingerprint of the conditioning inputs (shape, dtype and three float64 reductions each)."""
-    return tuple(_fingerprint(t) for t in tensors)
+def conditioning_fingerprint(tensors, rows: tuple[int, int] | None = None) -> tuple:
+    """A value fingerprint of the conditioning inputs (shape, dtype and three float64 reductions each), or of their
+    batch rows ``rows`` (``(start, stop)``: one tag of a batch of tags), equal to that of those rows passed alone."""
+    return tuple(_fingerprint(t, rows) for t in tensors)
 
 
-def _fingerprint(tensor: torch.Tensor | None):
+def _fingerprint(tensor: torch.Tensor | None, rows: tuple[int, int] | None):
     if tensor is None:
         return None
+    part = tensor if rows is None else tensor[rows[0]:rows[1]]
     if tensor.is_inference():  # no version counter to tell an in-place edit by: reduce it every time
-        return _reduce(tensor)
+        return _reduce(part)
     known = _FINGERPRINTS.get(tensor)
-    if known is not None and known[0] == tensor._version:
-        return known[1]
-    fingerprint = _reduce(tensor)
-    _FINGERPRINTS[tensor] = (tensor._version, fingerprint)
-    return fingerprint
+    if known is None or known[0] != tensor._version:
+        known = (tensor._version, {})
+        _FINGERPRINTS[tensor] = known
+    if rows not in known[1]:
+        known[1][rows] = _reduce(part)
+    return known[1][rows]
 
 
 def _reduce(tensor: torch.Tensor) -> tuple:

@@ -25,6 +25,8 @@ from .validation import (
     check_forward_inputs,
     check_rope_range,
     check_split_forward,
+    check_tag_batch,
+    check_tag_positions,
     chunk_rope_start,
     sequence_mask,
 )
@@ -97,20 +99,29 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
     autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else inputs["hidden_states"].dtype
     lora_scale = (inputs.get("attention_kwargs") or {}).get("scale", 1.0)
-    info = PassInfo(
-        cache_tag=context.cache_tag, start_frame=context.start_frame, chunk_frames=num_frames,
-        frame_tokens=frame_tokens, batch_size=batch, dtype=dtype, device=device,
+    tags = context.cache_tags
+    rows = check_tag_batch(tags, batch)
+    conditioning = (inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"))
+    infos = [PassInfo(
+        cache_tag=tag, start_frame=context.start_frame, chunk_frames=num_frames,
+        frame_tokens=frame_tokens, batch_size=rows, dtype=dtype, device=device,
         grad_enabled=torch.is_grad_enabled(), store_kv=context.store_kv,
-        conditioning=conditioning_fingerprint(
-            (inputs.get("encoder_hidden_states"), inputs.get("encoder_hidden_states_image"))),
+        conditioning=conditioning_fingerprint(conditioning, None if len(tags) == 1 else (i * rows, (i + 1) * rows)),
         weights=projection_state(transformer, lora_scale),
-    )
-    for engine in context.cache_engines.values():
-        engine.check_pass(info)
+    ) for i, tag in enumerate(tags)]
+    for info in infos:
+        for engine in context.cache_engines.values():
+            engine.check_pass(info)
     # Positions last, so that a start_frame that does not continue the cache is reported as that.
-    first = chunk_rope_start(transformer, context.cache_engines, info.cache_tag, info.start_frame, num_frames)
-    return ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info,
-                       group=None if split is None else split.group)
+    firsts = {tag: chunk_rope_start(transformer, context.cache_engines, tag, context.start_frame, num_frames)
+              for tag in tags}
+    first = check_tag_positions(firsts)
+    passes = [ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info,
+                          group=None if split is None else split.group) for info in infos]
+    if len(passes) == 1:
+        return passes[0]
+    return ForwardPass(context.cache_engines, passes[0].positions, temporal_rope, tag_passes=passes,
+                       group=passes[0].group)
 
 
 def _refuse_block_skipping_hooks(transformer: torch.nn.Module) -> None:

@@ -107,6 +107,27 @@ def chunk_rope_start(transformer, engines: dict[str, BaseKVCacheEngine], cache_t
     return first
 
 
+def check_tag_batch(tags: tuple[str, ...], batch: int) -> int:
+    """Rows per tag of a forward on ``tags`` (one group of rows each); refuses a batch that does not split evenly."""
+    if batch % len(tags):
+        raise ValueError(
+            f"cache_tag={tags!r} splits the batch into {len(tags)} equal groups of rows (one per tag), but the batch "
+            f"has {batch} rows; concatenate one equal batch per tag, in the order of the tags."
+        )
+    return batch // len(tags)
+
+
+def check_tag_positions(firsts: dict[str, int]) -> int:
+    """The one RoPE start of a batch of tags; refuses tags whose engines place the chunk at different positions."""
+    starts = set(firsts.values())
+    if len(starts) > 1:
+        raise ValueError(
+            f"the tags of this batch place the chunk at different RoPE positions {firsts}, but one forward has one "
+            "rotary table; run the tags as separate forwards (RolloutPlanner(..., cfg_batch=False))."
+        )
+    return starts.pop()
+
+
 def check_rope_range(transformer, first: int, num_frames: int, rollout: bool = False) -> None:
     max_len = transformer.rope.max_seq_len
     if first + num_frames <= max_len:
