@@ -1,12 +1,14 @@
-"""torch.compile over the transformer blocks (diffusers' compile_repeated_blocks) with the static engine: a cached
-rollout matches eager, with no graph break and a number of compiled graphs that does not grow with the chunks."""
+"""torch.compile over the transformer blocks (diffusers' compile_repeated_blocks): with the static engine a cached
+rollout matches eager, with no graph break and a number of compiled graphs that does not grow with the chunks; with a
+rolling engine whose window is full, nothing recompiles from chunk to chunk (the steady state that CUDA graphs,
+mode="reduce-overhead", capture on a GPU)."""
 
 import pytest
 import torch
 from helpers import conditioning, tiny_wan
 from torch._dynamo.utils import counters
 
-from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor, StaticKVCacheEngine
+from diffusers_causal_kv import CausalContext, CausalWanAttnProcessor, RollingKVCacheEngine, StaticKVCacheEngine
 
 # aot_eager traces through AOTAutograd (functionalised in-place buffer writes) without a C++ toolchain run per graph;
 # benchmarks/rollout.py --compile exercises inductor.
@@ -66,3 +68,47 @@ def test_uncompiled_processor_sees_no_mirrored_pass_outside_forwards():
     with torch.no_grad(), CausalContext(model):
         model(hidden_states=torch.randn(2, 16, 1, 4, 4), timestep=torch.zeros(2), encoder_hidden_states=text)
         assert getattr(_COMPILED_PASS, "value", None) is None  # published only while a forward runs
+
+
+def _graphs_per_chunk(model, engines, text, chunks):
+    """Run ``chunks`` (a rollout continuing the engines' cache) and record the number of compiled graphs after each."""
+    g = torch.Generator().manual_seed(1)
+    outputs, graphs, start = [], [], 0
+    for size in chunks:
+        x = torch.randn(2, 16, size, 4, 4, generator=g)
+        with torch.no_grad(), CausalContext(model, start_frame=start, cache_engines=engines):
+            x = model(hidden_states=x, timestep=torch.full((2,), 500.0), encoder_hidden_states=text,
+                      return_dict=False)[0]
+        with torch.no_grad(), CausalContext(model, start_frame=start, store_kv=True, cache_engines=engines):
+            model(hidden_states=x, timestep=torch.zeros(2), encoder_hidden_states=text, return_dict=False)
+        outputs.append(x)
+        graphs.append(counters["stats"]["unique_graphs"])
+        start += size
+    return torch.cat(outputs, dim=2), graphs
+
+
+@pytest.mark.parametrize("positions", ["absolute", "relative"])
+@torch._dynamo.config.patch(recompile_limit=64)
+def test_rolling_steady_state_compiles_once(positions):
+    """Once a rolling window is full every chunk has the same shapes (the attended window, the ring slot a commit
+    writes): compiled blocks (aot_eager here; reduce-overhead on CUDA) give eager's results and compile nothing new
+    from chunk to chunk."""
+    model = tiny_wan(layers=1, rope_max_seq_len=64)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    text, _ = conditioning(model)
+    chunks = [1] * 7  # window 3 with a sink of 1: full from the third chunk on; one ring slot, written every chunk
+    engines = {"main": RollingKVCacheEngine(3, sink_frames=1, positions=positions)}
+    eager, _ = _graphs_per_chunk(model, engines, text, chunks)
+    engines["main"].clear()
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_repeated_blocks(backend=BACKEND, fullgraph=True)
+    try:
+        compiled, graphs = _graphs_per_chunk(model, engines, text, chunks)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+    assert not counters["graph_break"]
+    full = 3  # the chunk index from which the window is full and every later chunk has its shapes
+    print(f"graphs after each chunk: {graphs}")
+    assert len(set(graphs[full:])) == 1, graphs

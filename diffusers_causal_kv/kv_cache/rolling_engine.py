@@ -75,6 +75,16 @@ class RingEntry:
     oldest: int
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    pass_slices: tuple | None = None
+    """``(chunk_frames, token slices)`` the pass in flight reads, set by :meth:`RollingKVCacheEngine.check_pass`
+    outside compiled code, so that compiled attention reads only these (equal from chunk to chunk once the window
+    is full) and never the frame counters (which grow every chunk and would recompile it); dropped whenever
+    ``frames`` or ``oldest`` change."""
+
+    def __setattr__(self, name, value):
+        if name in ("frames", "oldest"):
+            object.__setattr__(self, "pass_slices", None)
+        object.__setattr__(self, name, value)
 
 
 class RollingKVCacheEngine(BaseKVCacheEngine):
@@ -138,6 +148,10 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         """The base checks, then that the chunk fits next to the sink (``chunk_frames <= W - S``)."""
         super().check_pass(info)
         self._check_chunk(info.chunk_frames)
+        for entries in self._self_kv.values():
+            entry = entries.get(info.cache_tag)
+            if entry is not None and entry.keys is not None:
+                entry.pass_slices = (info.chunk_frames, self._window_slices(entry, info.chunk_frames))
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
         """Every chunk of the schedule must fit next to the sink (``size <= W - S``)."""
@@ -331,10 +345,15 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         entry.frames = stop
         entry.oldest = max(entry.oldest, stop - self._ring_frames)
 
+    def _window_slices(self, entry: RingEntry, chunk_frames: int) -> tuple[slice, ...]:
+        return tuple(s for frames in self._window(entry, chunk_frames) for s in self._slices(frames, entry))
+
     def _pieces(self, entry: RingEntry, chunk_frames: int):
         if entry.keys is None:
             return [], []
-        slices = [s for frames in self._window(entry, chunk_frames) for s in self._slices(frames, entry)]
+        known = entry.pass_slices
+        slices = known[1] if known is not None and known[0] == chunk_frames else self._window_slices(entry,
+                                                                                                    chunk_frames)
         return [entry.keys[:, s] for s in slices], [entry.values[:, s] for s in slices]
 
     def _crop_entry(self, entry: RingEntry, keep_frames: int) -> None:
