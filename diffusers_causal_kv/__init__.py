@@ -49,7 +49,13 @@ from .kv_cache import (
 )
 from .masks import CausalMask, block_causal_mask, chunk_schedule, teacher_forcing_mask
 from .model import clear_caches, uninstall_causal_kv
-from .modular import causal_wan_blocks, causal_wan_i2v_blocks
+from .modular import (
+    causal_wan22_blocks,
+    causal_wan22_i2v_blocks,
+    causal_wan22_vace_blocks,
+    causal_wan_blocks,
+    causal_wan_i2v_blocks,
+)
 from .parallel import CFGAcrossRanks, causal_cp_plan
 from .pipeline import CausalWanPipeline
 from .planner import RolloutPlanner
@@ -77,6 +83,9 @@ __all__ = [
     "VanillaKVCacheEngine",
     "block_causal_mask",
     "causal_cp_plan",
+    "causal_wan22_blocks",
+    "causal_wan22_i2v_blocks",
+    "causal_wan22_vace_blocks",
     "causal_wan_blocks",
     "causal_wan_i2v_blocks",
     "causal_rollout",

@@ -1,6 +1,7 @@
-"""Causal denoise blocks for diffusers' Modular Pipelines (Wan2.1 T2V and I2V).
+"""Causal denoise blocks for diffusers' Modular Pipelines (Wan2.1 T2V and I2V; Wan2.2 T2V, I2V and VACE).
 
-The stock ``WanBlocks`` and ``WanImage2VideoAutoBlocks`` denoise the whole video at once: their core denoise step
+The stock ``WanBlocks`` and ``WanImage2VideoAutoBlocks`` (and the Wan2.2 sets ``Wan22Blocks``,
+``Wan22Image2VideoBlocks``, ``Wan22VaceBlocks``) denoise the whole video at once: their core denoise step
 (``sub_blocks["denoise"]``) sets the scheduler's timesteps once, prepares the latents of every frame and loops over
 the timesteps with every frame in each forward. The causal core steps here replace that whole core step. They keep
 the stock input steps (prompt batching, I2V condition latents) and the stock ``WanPrepareLatentsStep`` (the noise of
@@ -18,6 +19,14 @@ any step, so the ``"neg"`` cache stays continuous even where a window skips guid
 that change the model for a batch (perturbed-attention, skip-layer, smoothed-energy, auto guidance), are refused: a
 perturbed forward would attend to a prefix cached without the perturbation.
 
+Wan2.2 (two experts): the denoise step of a Wan2.2 set runs ``transformer`` with ``guider`` at timesteps
+``t >= boundary_ratio * 1000`` (the pipeline config's ``boundary_ratio``) and ``transformer_2`` with ``guider_2`` below,
+choosing on the timestep passed to the transformer, as the stock ``Wan22LoopDenoiser`` does; every chunk is committed
+in both experts' caches (each with its own weights), both or neither. Without a ``transformer_2`` component the one
+``transformer`` runs every step with ``guider``. The VACE set's encoder step downsamples the control mask causally
+(:func:`~diffusers_causal_kv.pipeline_stream.causal_vace_mask`, as ``CausalWanPipeline`` does), so a chunk's control
+latents depend on its own frames and the ones before only.
+
 The forwards, chunk schedule, pre-flight checks and commits are :class:`~diffusers_causal_kv.RolloutPlanner`'s and the
 chunk loop is :func:`~diffusers_causal_kv.rollout.rollout_chunks`, as in :func:`~diffusers_causal_kv.causal_rollout`,
 so the blocks give the rollout's latents exactly (random numbers are drawn in the same order).
@@ -31,32 +40,52 @@ from collections.abc import Sequence
 import torch
 from diffusers.configuration_utils import FrozenDict
 from diffusers.guiders import BaseGuidance, ClassifierFreeGuidance
-from diffusers.models import WanTransformer3DModel
+from diffusers.models import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState, SequentialPipelineBlocks
-from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, InputParam, OutputParam
+from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam, OutputParam
 from diffusers.modular_pipelines.wan.before_denoise import (
     WanAdditionalInputsStep,
     WanPrepareLatentsStep,
     WanTextInputStep,
+    WanVaceAdditionalInputsStep,
 )
+from diffusers.modular_pipelines.wan.decoders import WanVaceTrimReferenceLatentsStep
+from diffusers.modular_pipelines.wan.encoders import WanVaceEncoderStep
 from diffusers.modular_pipelines.wan.modular_blocks_wan import WanBlocks, WanCoreDenoiseStep
+from diffusers.modular_pipelines.wan.modular_blocks_wan22 import Wan22Blocks, Wan22CoreDenoiseStep
+from diffusers.modular_pipelines.wan.modular_blocks_wan22_i2v import (
+    Wan22Image2VideoBlocks,
+    Wan22Image2VideoCoreDenoiseStep,
+)
 from diffusers.modular_pipelines.wan.modular_blocks_wan_i2v import (
     WanImage2VideoAutoBlocks,
     WanImage2VideoCoreDenoiseStep,
 )
+from diffusers.modular_pipelines.wan.modular_blocks_wan_vace import Wan22VaceBlocks, Wan22VaceCoreDenoiseStep
 from diffusers.schedulers import UniPCMultistepScheduler
 
 from .model import topology
 from .pipeline import install_causal_processors
+from .pipeline_stream import causal_vace_mask
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .rollout import rollout_chunks, shifted_sigmas
 
 __all__ = [
     "GUIDER_CACHE_TAGS",
+    "CausalWan22CoreDenoiseStep",
+    "CausalWan22DenoiseStep",
+    "CausalWan22Image2VideoCoreDenoiseStep",
+    "CausalWan22Image2VideoDenoiseStep",
+    "CausalWan22VaceCoreDenoiseStep",
+    "CausalWan22VaceDenoiseStep",
     "CausalWanCoreDenoiseStep",
     "CausalWanDenoiseStep",
     "CausalWanImage2VideoCoreDenoiseStep",
     "CausalWanImage2VideoDenoiseStep",
+    "CausalWanVaceEncoderStep",
+    "causal_wan22_blocks",
+    "causal_wan22_i2v_blocks",
+    "causal_wan22_vace_blocks",
     "causal_wan_blocks",
     "causal_wan_i2v_blocks",
 ]
@@ -67,30 +96,44 @@ GUIDER_CACHE_TAGS = {"pred_cond": "pos", "pred_uncond": "neg"}
 DEFAULT_TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)
 
 
+class _Experts:
+    """The transformers a denoise step runs, as the planner reads a pipeline's: ``transformer`` and, for Wan2.2 A14B,
+    ``transformer_2``."""
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module | None) -> None:
+        self.transformer, self.transformer_2 = transformer, transformer_2
+
+
 class _GuidedPlanner(RolloutPlanner):
     """A :class:`RolloutPlanner` whose flow is the guider's combination of one forward per guider batch, each on the
-    batch's cache tag. Local adapter until the planner takes its tags and its guidance from the caller."""
+    batch's cache tag; with two experts, each expert's own guider (``guiders`` in the order of the experts). Local
+    adapter until the planner takes its tags and its guidance from the caller."""
 
-    def __init__(self, transformer, prompts: dict[str, torch.Tensor], guider, guider_state, guider_fields: dict,
+    def __init__(self, model, prompt_embeds: torch.Tensor, guiders: list, guider_state, guider_fields: dict,
                  num_steps: int, **kwargs) -> None:
-        super().__init__(transformer, prompts["pos"], **kwargs)
-        self.prompts = prompts  # the tags the guider uses, not the planner's own guidance_scale rule
-        self.guider, self.guider_state, self.guider_fields = guider, guider_state, guider_fields
+        super().__init__(model, prompt_embeds, **kwargs)
+        self.guiders, self.guider_state, self.guider_fields = guiders, guider_state, guider_fields
         self.num_steps = num_steps
         self._chunk, self._step = None, 0
+
+    def guider_for(self, t):
+        """The guider of the expert that denoises at timestep ``t``."""
+        return self.guiders[0] if self.expert_for(t) is self.experts[0] else self.guiders[1]
 
     def flow(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
         if chunk != self._chunk:  # every chunk is a whole trajectory: the guider's steps restart
             self._chunk, self._step = chunk, 0
-        batches = _guider_batches(self.guider, self.guider_state, self.guider_fields, self._step, self.num_steps, t)
+        expert, guider = self.expert_for(t), self.guider_for(t)
+        batches = _guider_batches(guider, self.guider_state, self.guider_fields, self._step, self.num_steps, t)
         self._step += 1
         for batch in batches:
-            self.guider.prepare_models(self.transformer)
-            batch.noise_pred = self.forward(x, t, chunk, GUIDER_CACHE_TAGS[batch.__guidance_identifier__])
-            self.guider.cleanup_models(self.transformer)
+            guider.prepare_models(expert.transformer)
+            batch.noise_pred = self.forward(x, t, chunk, GUIDER_CACHE_TAGS[batch.__guidance_identifier__],
+                                            expert=expert)
+            guider.cleanup_models(expert.transformer)
         # In the latents' dtype, as the stock loop's noise_pred.float(): a flow-matching scheduler step casts its
         # result to the flow's dtype.
-        return self.guider(batches)[0].to(x.dtype)
+        return guider(batches)[0].to(x.dtype)
 
 
 def _guider_batches(guider, state, fields: dict, step: int, num_steps: int, t) -> list:
@@ -111,6 +154,7 @@ class CausalWanDenoiseStep(ModularPipelineBlocks):
 
     model_name = "wan"
     _guider_fields = {"encoder_hidden_states": ("prompt_embeds", "negative_prompt_embeds")}
+    _transformer_class = WanTransformer3DModel
 
     @property
     def description(self) -> str:
@@ -122,7 +166,7 @@ class CausalWanDenoiseStep(ModularPipelineBlocks):
         return [
             ComponentSpec("guider", ClassifierFreeGuidance, config=FrozenDict({"guidance_scale": 5.0}),
                           default_creation_method="from_config"),
-            ComponentSpec("transformer", WanTransformer3DModel),
+            ComponentSpec("transformer", self._transformer_class),
             ComponentSpec("scheduler", UniPCMultistepScheduler),
         ]
 
@@ -165,18 +209,25 @@ class CausalWanDenoiseStep(ModularPipelineBlocks):
         """The planner's per-frame and image inputs (none for T2V)."""
         return {}
 
+    def experts(self, components) -> tuple[_Experts, list, dict]:
+        """``(transformers, their guiders, planner arguments)``: the one ``transformer`` with ``guider`` here."""
+        return _Experts(_transformer(components, vace=False), None), [components.guider], {}
+
     @torch.no_grad()
     def __call__(self, components, state: PipelineState) -> tuple:
         block_state = self.get_block_state(state)
         scheduler, sigmas, step_timesteps = _sampling(components, block_state, block_state.latents.device)
-        prompts = _guided_prompts(components.guider, block_state, self._guider_fields, step_timesteps)
-        check_context_noise(block_state.context_noise, block_state.context_noise_mode)
-        transformer = _causal_transformer(components)
+        experts, guiders, expert_args = self.experts(components)
         planner = _GuidedPlanner(
-            transformer, prompts, components.guider, block_state, self._guider_fields, len(step_timesteps),
+            experts, block_state.prompt_embeds, guiders, block_state, self._guider_fields, len(step_timesteps),
             attention_kwargs=block_state.attention_kwargs, cache_engines=block_state.cache_engines,
-            generator=block_state.generator, **self.per_frame_inputs(block_state),
+            generator=block_state.generator, **expert_args, **self.per_frame_inputs(block_state),
         )
+        # the tags the guiders use, not the planner's own guidance_scale rule
+        planner.prompts = _guided_prompts(planner, block_state, self._guider_fields, step_timesteps)
+        check_context_noise(block_state.context_noise, block_state.context_noise_mode)
+        for expert in planner.experts:
+            install_causal_processors(expert.transformer)
         latents = block_state.latents
         chunks = planner.plan(latents, block_state.chunk_frames)
         planner.check(latents, chunks)
@@ -211,6 +262,96 @@ class CausalWanImage2VideoDenoiseStep(CausalWanDenoiseStep):
 
     def per_frame_inputs(self, block_state) -> dict:
         return {"condition_latents": block_state.image_condition_latents, "image_embeds": block_state.image_embeds}
+
+
+class _TwoExpertSteps:
+    """The Wan2.2 part of a denoise step: ``transformer`` and ``guider`` above the boundary timestep,
+    ``transformer_2`` and ``guider_2`` below it, and the pipeline config's ``boundary_ratio``."""
+
+    @property
+    def expected_components(self) -> list[ComponentSpec]:
+        return [
+            *super().expected_components,
+            ComponentSpec("guider_2", ClassifierFreeGuidance, config=FrozenDict({"guidance_scale": 3.0}),
+                          default_creation_method="from_config"),
+            ComponentSpec("transformer_2", self._transformer_class),
+        ]
+
+    @property
+    def expected_configs(self) -> list[ConfigSpec]:
+        return [ConfigSpec(name="boundary_ratio", default=0.875,
+                           description="Timestep fraction where transformer_2 (with guider_2) takes over from "
+                                       "transformer (with guider), chosen on the timestep passed.")]
+
+    def experts(self, components) -> tuple[_Experts, list, dict]:
+        transformer = _transformer(components, vace=self._transformer_class is WanVACETransformer3DModel)
+        second = getattr(components, "transformer_2", None)
+        if second is None:  # one expert (e.g. Wan2.2 TI2V-5B, or a Wan2.1 VACE model in the VACE set)
+            return _Experts(transformer, None), [components.guider], {}
+        guider_2 = getattr(components, "guider_2", None) or components.guider
+        return (_Experts(transformer, second), [components.guider, guider_2],
+                {"boundary_ratio": components.config.boundary_ratio})
+
+
+class CausalWan22DenoiseStep(_TwoExpertSteps, CausalWanDenoiseStep):
+    """:class:`CausalWanDenoiseStep` for Wan2.2 (replaces the stock ``WanSetTimestepsStep`` and
+    ``Wan22DenoiseStep``): ``transformer`` with ``guider`` at timesteps ``t >= boundary_ratio * 1000``,
+    ``transformer_2`` with ``guider_2`` below, every chunk committed in both experts' caches."""
+
+
+class CausalWan22Image2VideoDenoiseStep(_TwoExpertSteps, CausalWanDenoiseStep):
+    """:class:`CausalWan22DenoiseStep` for Wan2.2 I2V-A14B: each chunk's latents are concatenated with the chunk's
+    frames of ``image_condition_latents`` (mask and first-frame latents); no image embeddings."""
+
+    model_name = "wan-i2v"
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            *super().inputs,
+            InputParam("image_condition_latents", required=True, type_hint=torch.Tensor,
+                       description="Mask and image latents of every frame, [batch, 20, frames, height, width]. Can "
+                                   "be generated in the vae_encoder step."),
+        ]
+
+    def per_frame_inputs(self, block_state) -> dict:
+        return {"condition_latents": block_state.image_condition_latents}
+
+
+class CausalWan22VaceDenoiseStep(_TwoExpertSteps, CausalWanDenoiseStep):
+    """:class:`CausalWan22DenoiseStep` for VACE (``WanVACETransformer3DModel`` experts, or one): each chunk's forwards
+    get the chunk's frames of ``control_hidden_states`` and the per-layer ``control_hidden_states_scale``."""
+
+    model_name = "wan-vace"
+    _transformer_class = WanVACETransformer3DModel
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            *super().inputs,
+            InputParam("control_hidden_states", required=True, type_hint=torch.Tensor,
+                       description="VACE control latents of every frame (video latents and causal mask). Can be "
+                                   "generated in the vace_encoder step."),
+            InputParam("control_hidden_states_scale", required=True, type_hint=torch.Tensor,
+                       description="Scale of each VACE layer. Can be generated in the vace_encoder step."),
+        ]
+
+    def per_frame_inputs(self, block_state) -> dict:
+        dtype = block_state.latents.dtype if block_state.control_hidden_states.is_floating_point() else None
+        return {"control_latents": block_state.control_hidden_states.to(dtype),
+                "control_scale": block_state.control_hidden_states_scale}
+
+
+class CausalWanVaceEncoderStep(WanVaceEncoderStep):
+    """The stock ``WanVaceEncoderStep`` with the control mask downsampled in time causally (latent frame ``j`` takes
+    the mask of video frame ``4j``), as ``CausalWanPipeline`` does, instead of resampled over the whole video."""
+
+    @staticmethod
+    def prepare_masks(components, mask, reference_images):
+        if any(len(images) for images in reference_images):
+            raise ValueError("reference_images are not supported by the causal VACE path yet; drop them (they would "
+                             "have to be prefilled before frame 0).")
+        return torch.cat([causal_vace_mask(m[None], True, components.vae_scale_factor_spatial) for m in mask])
 
 
 class CausalWanCoreDenoiseStep(SequentialPipelineBlocks):
@@ -250,38 +391,108 @@ class CausalWanImage2VideoCoreDenoiseStep(SequentialPipelineBlocks):
                 "by chunk with a KV cache.")
 
 
+class CausalWan22CoreDenoiseStep(SequentialPipelineBlocks):
+    """Causal replacement of ``Wan22CoreDenoiseStep`` (``Wan22Blocks.sub_blocks["denoise"]``): the stock input and
+    prepare-latents steps, then :class:`CausalWan22DenoiseStep`."""
+
+    model_name = "wan"
+    block_classes = [WanTextInputStep, WanPrepareLatentsStep, CausalWan22DenoiseStep]
+    block_names = ["input", "prepare_latents", "denoise"]
+
+    @property
+    def description(self):
+        return ("Causal denoise block (Wan2.2, two experts): takes encoded conditions and denoises the video chunk by "
+                "chunk with a KV cache per expert.")
+
+    @property
+    def outputs(self):
+        return [OutputParam.template("latents")]
+
+
+class CausalWan22Image2VideoCoreDenoiseStep(SequentialPipelineBlocks):
+    """Causal replacement of ``Wan22Image2VideoCoreDenoiseStep`` (``Wan22Image2VideoBlocks.sub_blocks["denoise"]``):
+    the stock input steps and prepare-latents step, then :class:`CausalWan22Image2VideoDenoiseStep`."""
+
+    model_name = "wan-i2v"
+    block_classes = [
+        WanTextInputStep,
+        WanAdditionalInputsStep(image_latent_inputs=["image_condition_latents"]),
+        WanPrepareLatentsStep,
+        CausalWan22Image2VideoDenoiseStep,
+    ]
+    block_names = ["input", "additional_inputs", "prepare_latents", "denoise"]
+
+    @property
+    def description(self):
+        return ("Causal denoise block (Wan2.2 I2V, two experts): takes encoded text and image latent conditions and "
+                "denoises the video chunk by chunk with a KV cache per expert.")
+
+    @property
+    def outputs(self):
+        return [OutputParam.template("latents")]
+
+
+class CausalWan22VaceCoreDenoiseStep(SequentialPipelineBlocks):
+    """Causal replacement of ``Wan22VaceCoreDenoiseStep`` (``Wan22VaceBlocks.sub_blocks["denoise"]``): the stock input,
+    VACE input and prepare-latents steps, :class:`CausalWan22VaceDenoiseStep`, then the stock reference trim step."""
+
+    model_name = "wan-vace"
+    block_classes = [
+        WanTextInputStep,
+        WanVaceAdditionalInputsStep,
+        WanPrepareLatentsStep,
+        CausalWan22VaceDenoiseStep,
+        WanVaceTrimReferenceLatentsStep,
+    ]
+    block_names = ["input", "additional_inputs", "prepare_latents", "denoise", "trim_latents"]
+
+    @property
+    def description(self):
+        return ("Causal denoise block (Wan2.2 VACE): takes encoded text and VACE control latents and denoises the "
+                "video chunk by chunk with a KV cache per expert.")
+
+    @property
+    def outputs(self):
+        return [OutputParam.template("latents")]
+
+
 _CAUSAL_CORE_STEPS = {
     WanCoreDenoiseStep: CausalWanCoreDenoiseStep,
     WanImage2VideoCoreDenoiseStep: CausalWanImage2VideoCoreDenoiseStep,
+    Wan22CoreDenoiseStep: CausalWan22CoreDenoiseStep,
+    Wan22Image2VideoCoreDenoiseStep: CausalWan22Image2VideoCoreDenoiseStep,
+    Wan22VaceCoreDenoiseStep: CausalWan22VaceCoreDenoiseStep,
 }
 
 
 def causal_wan_blocks(blocks: SequentialPipelineBlocks | None = None) -> SequentialPipelineBlocks:
-    """A copy of a Wan2.1 block set whose core denoise step (``sub_blocks["denoise"]``) is causal.
+    """A copy of a Wan block set whose core denoise step (``sub_blocks["denoise"]``) is causal.
 
     Args:
-        blocks: ``WanBlocks()`` (the default) or ``WanImage2VideoAutoBlocks()``, or a block set of your own whose
-            ``"denoise"`` sub-block is the stock ``WanCoreDenoiseStep`` or ``WanImage2VideoCoreDenoiseStep``; it is
-            copied, not changed.
+        blocks: ``WanBlocks()`` (the default), ``WanImage2VideoAutoBlocks()``, ``Wan22Blocks()``,
+            ``Wan22Image2VideoBlocks()`` or ``Wan22VaceBlocks()``, or a block set of your own whose ``"denoise"``
+            sub-block is one of their stock core denoise steps; it is copied, not changed.
 
     Returns:
-        The copy, with :class:`CausalWanCoreDenoiseStep` (or :class:`CausalWanImage2VideoCoreDenoiseStep`) as its
-        ``"denoise"`` sub-block; its other sub-blocks (text and image encoders, VAE decoder) are the stock ones.
+        The copy, with the causal core denoise step (:class:`CausalWanCoreDenoiseStep`,
+        :class:`CausalWanImage2VideoCoreDenoiseStep`, :class:`CausalWan22CoreDenoiseStep`,
+        :class:`CausalWan22Image2VideoCoreDenoiseStep` or :class:`CausalWan22VaceCoreDenoiseStep`) as its
+        ``"denoise"`` sub-block; its other sub-blocks (text and image encoders, VAE decoder) are the stock ones, but
+        for the VACE set's ``"vace_encoder"``, which becomes :class:`CausalWanVaceEncoderStep` (the causal mask).
     """
     blocks = WanBlocks() if blocks is None else copy.deepcopy(blocks)
     core = blocks.sub_blocks.get("denoise")
     causal = _CAUSAL_CORE_STEPS.get(type(core))
     if causal is None:
-        names = {spec.name for spec in blocks.expected_components}
-        why = ("has a two-expert Wan2.2 denoise step (transformer + transformer_2)" if "transformer_2" in names
-               else "has VACE control" if "vace" in str(blocks.model_name)
-               else "has no 'denoise' sub-block" if core is None
-               else f"has the denoise step {type(core).__name__}")
+        why = "has no 'denoise' sub-block" if core is None else f"has the denoise step {type(core).__name__}"
         raise NotImplementedError(
-            f"{type(blocks).__name__} {why}, which the causal denoise blocks do not cover yet; they replace the "
-            "Wan2.1 T2V and I2V core denoise steps (WanBlocks, WanImage2VideoAutoBlocks) only."
+            f"{type(blocks).__name__} {why}, which the causal denoise blocks do not cover; they replace the stock "
+            "core denoise steps of WanBlocks, WanImage2VideoAutoBlocks, Wan22Blocks, Wan22Image2VideoBlocks and "
+            "Wan22VaceBlocks."
         )
     blocks.sub_blocks["denoise"] = causal()
+    if isinstance(blocks.sub_blocks.get("vace_encoder"), WanVaceEncoderStep):
+        blocks.sub_blocks["vace_encoder"] = CausalWanVaceEncoderStep()
     return blocks
 
 
@@ -290,23 +501,38 @@ def causal_wan_i2v_blocks() -> WanImage2VideoAutoBlocks:
     return causal_wan_blocks(WanImage2VideoAutoBlocks())
 
 
-def _causal_transformer(components) -> torch.nn.Module:
-    """The pipeline's transformer, with ``CausalWanAttnProcessor`` installed over the stock processors (outside a
-    ``CausalContext`` it computes exactly what they compute, so other pipelines sharing the transformer see no
-    change); a transformer running processors of another kind is refused rather than overwritten."""
+def causal_wan22_blocks() -> Wan22Blocks:
+    """``Wan22Blocks()`` (Wan2.2 T2V: A14B's two experts, or one transformer) with the causal core denoise step."""
+    return causal_wan_blocks(Wan22Blocks())
+
+
+def causal_wan22_i2v_blocks() -> Wan22Image2VideoBlocks:
+    """``Wan22Image2VideoBlocks()`` (Wan2.2 I2V-A14B: condition latents, no image embeddings) with the causal core
+    denoise step."""
+    return causal_wan_blocks(Wan22Image2VideoBlocks())
+
+
+def causal_wan22_vace_blocks() -> Wan22VaceBlocks:
+    """``Wan22VaceBlocks()`` (VACE: two ``WanVACETransformer3DModel`` experts, or one) with the causal core denoise
+    step and the causal control-mask encoder step."""
+    return causal_wan_blocks(Wan22VaceBlocks())
+
+
+def _transformer(components, vace: bool) -> torch.nn.Module:
+    """The pipeline's transformer, checked for the denoise step (``vace``: a VACE step). The processors are installed
+    once the step's inputs are checked (over the stock ones only: outside a ``CausalContext`` they compute exactly what
+    the stock ones compute, so other pipelines sharing the transformer see no change)."""
     transformer = getattr(components, "transformer", None)
     if transformer is None:
         raise ValueError(
             "the causal denoise step needs a transformer component; load one with "
             "pipe.update_components(transformer=WanTransformer3DModel.from_pretrained(...)) or pipe.load_components()."
         )
-    kind = topology(transformer)
-    if kind.is_vace:
+    if topology(transformer).is_vace and not vace:
         raise NotImplementedError(
             f"the pipeline's transformer is a {type(transformer).__name__} (VACE control), which the causal denoise "
-            "blocks do not cover yet; use causal_rollout(control_latents=...) for causal VACE."
+            "blocks do not cover outside the VACE block set; build the pipeline from causal_wan22_vace_blocks()."
         )
-    install_causal_processors(transformer)
     return transformer
 
 
@@ -333,26 +559,32 @@ def _sampling(components, block_state, device) -> tuple:
     return None, sigmas, [sigma * 1000 for sigma in sigmas]
 
 
-def _guided_prompts(guider, block_state, fields: dict, step_timesteps: Sequence) -> dict[str, torch.Tensor]:
-    """The conditioning of each cache tag the guider runs at any step of a chunk, checked before any work."""
-    identifiers = {batch.__guidance_identifier__
-                   for step, t in enumerate(step_timesteps)
-                   for batch in _guider_batches(guider, block_state, fields, step, len(step_timesteps), t)}
-    unknown = sorted(identifiers - set(GUIDER_CACHE_TAGS))
-    perturbs = type(guider).prepare_models is not BaseGuidance.prepare_models
-    if unknown or perturbs:
-        why = ("changes the model for some of its batches (prepare_models)" if perturbs
-               else f"runs the batches {unknown}")
-        raise NotImplementedError(
-            f"{type(guider).__name__} {why}, and the causal denoise step caches only a guider's plain conditional and "
-            "unconditional batches (cache tags 'pos' and 'neg'): a perturbed forward would attend to a prefix cached "
-            "without the perturbation. Use ClassifierFreeGuidance or another guider of those two batches."
-        )
+def _guided_prompts(planner: _GuidedPlanner, block_state, fields: dict,
+                    step_timesteps: Sequence) -> dict[str, torch.Tensor]:
+    """The conditioning of each cache tag the guiders run at any step of a chunk (each step's guider: that of the
+    step's expert), checked before any work."""
+    used = []  # (guider, the identifiers of its batches) of every step
+    for step, t in enumerate(step_timesteps):
+        guider = planner.guider_for(t)
+        batches = _guider_batches(guider, block_state, fields, step, len(step_timesteps), t)
+        used.append((guider, {batch.__guidance_identifier__ for batch in batches}))
+    for guider, identifiers in used:
+        unknown = sorted(identifiers - set(GUIDER_CACHE_TAGS))
+        perturbs = type(guider).prepare_models is not BaseGuidance.prepare_models
+        if unknown or perturbs:
+            why = ("changes the model for some of its batches (prepare_models)" if perturbs
+                   else f"runs the batches {unknown}")
+            raise NotImplementedError(
+                f"{type(guider).__name__} {why}, and the causal denoise step caches only a guider's plain conditional "
+                "and unconditional batches (cache tags 'pos' and 'neg'): a perturbed forward would attend to a prefix "
+                "cached without the perturbation. Use ClassifierFreeGuidance or another guider of those two batches."
+            )
     prompts = {GUIDER_CACHE_TAGS["pred_cond"]: block_state.prompt_embeds}
-    if "pred_uncond" in identifiers:
+    guiding = [guider for guider, identifiers in used if "pred_uncond" in identifiers]
+    if guiding:
         if block_state.negative_prompt_embeds is None:
             raise ValueError(
-                f"the guider ({type(guider).__name__}) runs classifier-free guidance but negative_prompt_embeds is "
+                f"the guider ({type(guiding[0]).__name__}) runs classifier-free guidance but negative_prompt_embeds is "
                 "None; pass negative_prompt_embeds (or a negative_prompt through the text encoder step), or "
                 "pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0)) for distilled models."
             )

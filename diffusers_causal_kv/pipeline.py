@@ -86,14 +86,16 @@ def _has_causal_processors(transformer: torch.nn.Module) -> bool:
 
 
 class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
-    """Causal, chunk-by-chunk text-to-video (and Wan2.1 image-to-video, VACE) with a KV cache.
+    """Causal, chunk-by-chunk text-to-video (and image-to-video, VACE; Wan2.1 and Wan2.2) with a KV cache.
 
     Args:
         tokenizer / text_encoder / vae / scheduler / transformer: as in ``WanPipeline`` (``transformer`` may be a
             ``WanVACETransformer3DModel``, as in ``WanVACEPipeline``).
         image_encoder / image_processor: Wan2.1 I2V only, as in ``WanImageToVideoPipeline``.
-        transformer_2 / boundary_ratio / expand_timesteps: the Wan2.2 settings of the stock pipelines, accepted so
-            that ``from_pipe`` and saved folders carry them; a call refuses them until Wan2.2 is supported.
+        transformer_2 / boundary_ratio / expand_timesteps: the Wan2.2 settings of the stock pipelines: A14B's
+            low-noise expert and the timestep fraction below which it runs (on the timestep passed to the
+            transformer; each expert has its own cache and every chunk is committed in both), and TI2V-5B's per-token
+            timesteps (its image-to-video first frame at timestep 0).
         causal_config: the sampling defaults (:class:`~diffusers_causal_kv.CausalConfig` or its dict);
             ``from_pretrained`` reads ``causal_config.json`` from the folder (or its ``transformer/``) when not given.
 

@@ -1182,14 +1182,12 @@ def _modular(model, guider=None, **components):
     return pipe
 
 
-@case(NotImplementedError, "the causal denoise blocks do not cover", "two-expert Wan2.2")
-def modular_two_expert_block_set():
-    from diffusers import Wan22Blocks
-
+@case(NotImplementedError, "the causal denoise blocks do not cover", "has the denoise step CausalWanCoreDenoiseStep")
+def modular_block_set_of_another_denoise_step():
     from diffusers_causal_kv.modular import causal_wan_blocks
 
     model, _ = _t2v()
-    return model, lambda: causal_wan_blocks(Wan22Blocks())
+    return model, lambda: causal_wan_blocks(causal_wan_blocks())
 
 
 @case(NotImplementedError, "the causal denoise blocks do not cover", "WanVACETransformer3DModel")
@@ -1197,6 +1195,25 @@ def modular_vace_transformer():
     model, text = _vace()
     pipe = _modular(model)
     return model, lambda: pipe(prompt_embeds=text, latents=_x(2), chunk_frames=1)
+
+
+@case(ValueError, "reference_images are not supported by the causal VACE path", "prefilled before frame 0")
+def modular_vace_reference_images():
+    import PIL.Image
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv.modular import causal_wan22_vace_blocks
+    from diffusers_causal_kv.testing import tiny_vae
+
+    model, text = _vace()
+    blocks = causal_wan22_vace_blocks()
+    for name in ("text_encoder", "decode"):
+        blocks.sub_blocks.pop(name)
+    pipe = blocks.init_pipeline()
+    pipe.update_components(transformer=model, vae=tiny_vae(seed=0), guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    reference = PIL.Image.new("RGB", (32, 32))
+    return model, lambda: pipe(prompt_embeds=text, reference_images=reference, height=32, width=32, num_frames=5,
+                               output="latents")
 
 
 @case(ValueError, "needs a transformer component")

@@ -346,3 +346,120 @@ def test_cache_memory_bytes_before_any_call_is_zero_per_expert():
     assert pipe.cache_memory_bytes() == {"transformer": 0, "transformer_2": 0}
     engines = {"transformer": {"main": KVCacheEngine()}, "transformer_2": {"main": KVCacheEngine()}}
     assert pipe.cache_memory_bytes(engines) == {"transformer": 0, "transformer_2": 0}
+
+
+# ------------------------------------------------------------------------------------------------ modular blocks
+def _modular(blocks, keep_vae=False, **components):
+    """A modular pipeline of ``blocks`` without the text encoder step (embeddings given) and the decoder."""
+    for name in ("text_encoder", "decode"):
+        blocks.sub_blocks.pop(name)
+    pipe = blocks.init_pipeline()
+    pipe.update_components(**components)
+    return pipe
+
+
+def test_wan22_block_sets_replace_the_core_denoise_step_and_the_vace_mask_encoder_only():
+    from diffusers import Wan22Blocks, Wan22Image2VideoBlocks, Wan22VaceBlocks
+    from diffusers.modular_pipelines.wan.encoders import WanVaceEncoderStep
+
+    from diffusers_causal_kv import causal_wan22_blocks, causal_wan22_i2v_blocks, causal_wan22_vace_blocks
+    from diffusers_causal_kv.modular import (
+        CausalWan22CoreDenoiseStep,
+        CausalWan22Image2VideoCoreDenoiseStep,
+        CausalWan22VaceCoreDenoiseStep,
+        CausalWanVaceEncoderStep,
+    )
+
+    made = {Wan22Blocks: (causal_wan22_blocks(), CausalWan22CoreDenoiseStep),
+            Wan22Image2VideoBlocks: (causal_wan22_i2v_blocks(), CausalWan22Image2VideoCoreDenoiseStep),
+            Wan22VaceBlocks: (causal_wan22_vace_blocks(), CausalWan22VaceCoreDenoiseStep)}
+    for stock_class, (causal, core) in made.items():
+        stock = stock_class()
+        assert type(causal) is stock_class and list(causal.sub_blocks) == list(stock.sub_blocks)
+        assert isinstance(causal.sub_blocks["denoise"], core)
+        assert "set_timesteps" not in causal.sub_blocks["denoise"].sub_blocks
+        for name, block in causal.sub_blocks.items():
+            if name == "vace_encoder":
+                assert type(block) is CausalWanVaceEncoderStep and isinstance(block, WanVaceEncoderStep)
+            elif name != "denoise":
+                assert type(block) is type(stock.sub_blocks[name])
+        names = {spec.name for spec in causal.expected_components}
+        assert {"transformer", "transformer_2", "guider", "guider_2"} <= names
+        assert "boundary_ratio" in {spec.name for spec in causal.expected_configs}
+
+
+def test_wan22_blocks_equal_the_pipeline_with_two_experts():
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv import causal_wan22_blocks
+
+    pipe = _a14b_pipe()
+    noise = torch.randn(1, 16, 6, H, W, generator=torch.Generator().manual_seed(0))
+    expected = pipe(prompt="a ball", negative_prompt="blurry", height=32, width=32, num_frames=21, latents=noise,
+                    max_sequence_length=16, guidance_scale=3.0, guidance_scale_2=2.0, timesteps=STRADDLING,
+                    generator=torch.Generator().manual_seed(3), output_type="latent",
+                    cfg_batch=False).frames  # the guider runs a forward per tag
+    positive, negative = _embeds(pipe, "blurry")
+    modular = _modular(causal_wan22_blocks(), transformer=pipe.transformer, transformer_2=pipe.transformer_2,
+                       guider=ClassifierFreeGuidance(guidance_scale=3.0),
+                       guider_2=ClassifierFreeGuidance(guidance_scale=2.0))
+    assert modular.config.boundary_ratio == BOUNDARY
+    high, low = Recorder(pipe.transformer), Recorder(pipe.transformer_2)
+    latents = modular(prompt_embeds=positive, negative_prompt_embeds=negative, latents=noise, chunk_frames=2,
+                      timesteps=STRADDLING, generator=torch.Generator().manual_seed(3), output="latents")
+    high.remove()
+    low.remove()
+    assert torch.equal(latents, expected)
+    assert high.calls and low.calls  # both experts ran, and each committed every chunk on both tags
+    assert sum(c["store"] for c in high.calls) == sum(c["store"] for c in low.calls) == 3 * 2
+
+
+def test_wan22_i2v_blocks_equal_the_pipeline_for_i2v_a14b():
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv import causal_wan22_i2v_blocks
+
+    pipe = _a14b_pipe(in_channels=36)
+    image = _image(32)
+    noise = torch.randn(1, 16, 6, H, W, generator=torch.Generator().manual_seed(0))
+    expected = pipe(prompt="a ball", image=image, height=32, width=32, num_frames=21, latents=noise,
+                    max_sequence_length=16, timesteps=STRADDLING, generator=torch.Generator().manual_seed(3),
+                    output_type="latent").frames
+    positive, _ = _embeds(pipe)
+    modular = _modular(causal_wan22_i2v_blocks(), transformer=pipe.transformer, transformer_2=pipe.transformer_2,
+                       vae=pipe.vae, guider=ClassifierFreeGuidance(guidance_scale=1.0),
+                       guider_2=ClassifierFreeGuidance(guidance_scale=1.0))
+    latents = modular(prompt_embeds=positive, image=image, height=32, width=32, num_frames=21, latents=noise,
+                      chunk_frames=2, timesteps=STRADDLING, generator=torch.Generator().manual_seed(3),
+                      output="latents")
+    assert torch.equal(latents, expected)
+
+
+@pytest.mark.parametrize("experts", [1, 2], ids=["one-vace-model", "two-vace-experts"])
+def test_causal_vace_through_the_wan22_vace_blocks_equals_the_pipeline(experts):
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv import causal_wan22_vace_blocks
+    from diffusers_causal_kv.testing import tiny_vace
+
+    second = {} if experts == 1 else {"transformer_2": tiny_vace(vace_in_channels=96, seed=1),
+                                      "boundary_ratio": BOUNDARY}
+    pipe = CausalWanPipeline(**tiny_pipeline_components(tiny_vace(vace_in_channels=96)), **second,
+                             causal_config=CausalConfig(chunk_frames=2, timesteps=TIMESTEPS))
+    rng = np.random.default_rng(2)
+    video = [PIL.Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(21)]
+    mask = [PIL.Image.fromarray(np.full((32, 32), 255 * (i % 2), dtype=np.uint8)) for i in range(21)]
+    noise = torch.randn(1, 16, 6, H, W, generator=torch.Generator().manual_seed(0))
+    expected = pipe(prompt="a ball", video=video, mask=mask, conditioning_scale=0.7, height=32, width=32,
+                    num_frames=21, latents=noise, max_sequence_length=16, timesteps=STRADDLING,
+                    generator=torch.Generator().manual_seed(3), output_type="latent").frames
+    positive, _ = _embeds(pipe)
+    modular = _modular(causal_wan22_vace_blocks(), transformer=pipe.transformer, vae=pipe.vae,
+                       guider=ClassifierFreeGuidance(guidance_scale=1.0),
+                       **({} if experts == 1 else {"transformer_2": pipe.transformer_2,
+                                                   "guider_2": ClassifierFreeGuidance(guidance_scale=1.0)}))
+    latents = modular(prompt_embeds=positive, video=video, mask=mask, conditioning_scale=0.7, height=32, width=32,
+                      num_frames=21, latents=noise, chunk_frames=2, timesteps=STRADDLING,
+                      generator=torch.Generator().manual_seed(3), output="latents")
+    assert torch.equal(latents, expected)
+    assert pipe.transformer.kv_cache_engines["vace"].num_frames("pos") == 6
