@@ -463,3 +463,17 @@ def test_causal_vace_through_the_wan22_vace_blocks_equals_the_pipeline(experts):
                       generator=torch.Generator().manual_seed(3), output="latents")
     assert torch.equal(latents, expected)
     assert pipe.transformer.kv_cache_engines["vace"].num_frames("pos") == 6
+
+
+def test_i2v_a14b_streams_switch_prompts_by_cross_entries_only():
+    """Its window's condition latents are not kept, so a re-cache (which would run without them) is refused."""
+    from diffusers_causal_kv import StreamingRollout
+
+    experts = two_experts(in_channels=36)
+    text, _ = tiny_conditioning(experts.transformer, batch=1)
+    stream = StreamingRollout(experts, text, chunk_frames=2, timesteps=STRADDLING)
+    stream.generate(torch.randn(1, 16, 2, H, W), condition_latents=torch.randn(1, 20, 2, H, W))
+    with pytest.raises(NotImplementedError, match="re-caches text-conditioned streams only"):
+        stream.switch_prompt(text + 1)
+    stream.switch_prompt(text + 1, mode="cross")
+    assert stream.prompts["pos"] is not text
