@@ -253,9 +253,9 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         cache_engines: dict | None = None,
+        cfg_batch: bool = True,
     ) -> WanPipelineOutput | tuple:
         """Generate a video chunk by chunk with the KV cache.
-        cfg_batch: bool = True,
 
         Args:
             prompt / negative_prompt / prompt_embeds / negative_prompt_embeds / max_sequence_length /
@@ -282,10 +282,10 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
                 ``"latents"``, the current chunk's latents; returned ``"latents"`` replace them. Changed prompt
                 embeddings are refused (switch prompts between chunks with a stream).
             cache_engines: the engine map of this call; default the transformer's ``kv_cache_engines``.
-        """
-        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             cfg_batch: with guidance, run a chunk's ``"pos"`` and ``"neg"`` passes as one forward over a batch of the
                 two tags (default), ``False`` for two forwards (:class:`~diffusers_causal_kv.RolloutPlanner`).
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
                                               context_noise=context_noise, context_noise_mode=context_noise_mode,
@@ -398,9 +398,9 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin):
         prompt_switch: str = "recache",
         resume: CausalWanStream | None = None,
         overlap: bool | None = None,
+        cfg_batch: bool = True,
     ) -> CausalWanStream:
         """Generate chunk by chunk and yield each chunk's frames as soon as it is decoded (:class:`StreamChunk`).
-        cfg_batch: bool = True,
 
         Args:
             num_frames: video frames to generate (``4k + 1``, split into chunks as a pipeline call splits them;
