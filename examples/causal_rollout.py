@@ -1,10 +1,14 @@
 """From a prompt to an mp4 with ``CausalWanPipeline``: causal, chunk-by-chunk generation with a KV cache.
 
-By default every component is tiny and random and built in code (transformer, VAE, a UMT5 text encoder and a
-character-level tokenizer), so the script runs on a CPU in seconds, most of them importing torch and diffusers, and
-shows the whole path: prompt, text encoding, chunked rollout, decoding, mp4. Random weights make a video of noise.
+By default it loads the tiny trained sprite model committed in ``models/tiny-sprites`` (a ``CausalWanPipeline``
+folder written by ``examples/train_tiny_causal.py``: a ball or square moving and bouncing on a 32x32 frame, from a
+prompt such as "red ball moving right"), so the script makes a video a person recognises, on a CPU, in seconds, most
+of them importing torch and diffusers: prompt, text encoding, chunked rollout with the KV cache, decoding, mp4.
 
-    python examples/causal_rollout.py --output causal_rollout.mp4
+    python examples/causal_rollout.py --output causal_rollout.mp4 --strip docs/tiny_sprites_strip.png
+
+``--random`` runs tiny random components built in code instead (transformer, VAE, a UMT5 text encoder and a
+character-level tokenizer): the same path, a video of noise.
 
 Real weights, where the Hugging Face hub or a local copy is reachable:
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 from diffusers.utils import export_to_video
@@ -30,29 +35,43 @@ from diffusers.utils import export_to_video
 from diffusers_causal_kv import CausalConfig, CausalWanPipeline
 from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
 
+SPRITES_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-sprites"
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-id", default=None,
                         help="diffusers-format Wan pipeline (hub id or folder): the base components, or the whole "
-                             "causal pipeline without --checkpoint; default: tiny random components")
+                             "causal pipeline without --checkpoint; default: the tiny sprite model in "
+                             "models/tiny-sprites")
     parser.add_argument("--checkpoint", default=None,
                         help="causal transformer: a converted folder (python -m diffusers_causal_kv.convert) or a "
                              "peer's checkpoint file, converted next to it first; needs --model-id")
-    parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic")
+    parser.add_argument("--random", action="store_true",
+                        help="tiny random components built in code instead of the sprite model (a video of noise)")
+    parser.add_argument("--prompt", default=None,
+                        help="default: 'red ball moving right' (sprite model), a fox in the snow otherwise")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--output", default="causal_rollout.mp4", help="mp4 file to write")
     parser.add_argument("--num-frames", type=int, default=None,
-                        help="video frames (4k+1); default: the checkpoint's (33, i.e. 9 latent frames, when tiny)")
+                        help="video frames (4k+1); default: the checkpoint's (33, i.e. 9 latent frames, for --random)")
     parser.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
-    parser.add_argument("--height", type=int, default=64)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--height", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
+    parser.add_argument("--width", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
     parser.add_argument("--timesteps", type=float, nargs="+", default=None,
                         help="few-step denoising timesteps per chunk (default: the checkpoint's)")
     parser.add_argument("--guidance-scale", type=float, default=None, help=">1 runs CFG through 'pos'/'neg' tags")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=16)
-    return parser.parse_args(argv)
+    parser.add_argument("--strip", default=None, help="also write a PNG of the frames side by side (a frame strip)")
+    parser.add_argument("--strip-frames", type=int, default=12, help="frames in the strip (evenly spaced)")
+    args = parser.parse_args(argv)
+    sprites = args.checkpoint is None and args.model_id is None and not args.random
+    size = 32 if sprites else 64
+    args.height, args.width = args.height or size, args.width or size
+    if args.prompt is None:
+        args.prompt = "red ball moving right" if sprites else "a red fox running through fresh snow, cinematic"
+    return args
 
 
 def tiny_pipeline(seed: int) -> CausalWanPipeline:
@@ -94,10 +113,33 @@ def causal_transformer(checkpoint: str, dtype: torch.dtype):
     return transformer, CausalConfig.find([folder])
 
 
+def sprites_pipeline(dtype: torch.dtype) -> CausalWanPipeline:
+    """The tiny trained sprite model of ``models/tiny-sprites``."""
+    if not (SPRITES_MODEL / "model_index.json").is_file():
+        raise SystemExit(f"error: the sprite model is missing from {SPRITES_MODEL}; train it with `python "
+                         "examples/train_tiny_causal.py --output models/tiny-sprites`, or pass --random.")
+    return CausalWanPipeline.from_pretrained(SPRITES_MODEL, dtype=dtype)
+
+
+def write_strip(frames, path: str, count: int, scale: int = 4, gap: int = 2) -> None:
+    """``count`` evenly spaced frames side by side, each scaled up ``scale`` times (nearest), on a white strip."""
+    import numpy as np
+    from PIL import Image
+
+    picks = np.linspace(0, len(frames) - 1, min(count, len(frames))).round().astype(int)
+    height, width = frames.shape[1] * scale, frames.shape[2] * scale
+    strip = np.full((height, len(picks) * (width + gap) - gap, 3), 255, dtype=np.uint8)
+    for i, index in enumerate(picks):
+        tile = (np.asarray(frames[index]) * 255).round().clip(0, 255).astype(np.uint8)
+        strip[:, i * (width + gap):i * (width + gap) + width] = tile.repeat(scale, 0).repeat(scale, 1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(strip).save(path)
+
+
 def load_pipeline(args, device: torch.device) -> CausalWanPipeline:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.checkpoint is None and args.model_id is None:
-        return tiny_pipeline(args.seed)
+        return tiny_pipeline(args.seed) if args.random else sprites_pipeline(dtype)
     if args.checkpoint is None:
         return from_pretrained(CausalWanPipeline, args.model_id, dtype)
     if args.model_id is None:
@@ -122,15 +164,22 @@ def main(argv=None) -> str:
                   guidance_scale=args.guidance_scale, generator=generator).frames[0]
     seconds = time.perf_counter() - began
     export_to_video(list(frames), args.output, fps=args.fps)
+    if args.strip is not None:
+        write_strip(frames, args.strip, args.strip_frames)
 
     print(f"chunks (latent frames): {pipe.chunk_sizes}")
     for i, (size, chunk_seconds) in enumerate(zip(pipe.chunk_sizes, pipe.chunk_seconds)):
         print(f"  chunk {i}: {size} frames in {chunk_seconds * 1000:.1f} ms")
     print(f"pipeline call {seconds:.2f} s (text encoding, rollout, decoding); "
           f"cache: {pipe.transformer.kv_cache_engines['main']}")
-    tiny = args.checkpoint is None and args.model_id is None
-    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}"
-          + (" (random weights: the video is noise; pass --checkpoint/--model-id for a real one)" if tiny else ""))
+    default = args.checkpoint is None and args.model_id is None
+    note = ""
+    if default and args.random:
+        note = " (random weights: the video is noise; pass --checkpoint/--model-id for a real one)"
+    elif default:
+        note = f" (the tiny sprite model of models/tiny-sprites: {args.prompt!r})"
+    print(f"wrote {len(frames)} frames of {frames.shape[2]}x{frames.shape[1]} to {args.output}{note}"
+          + (f", frame strip {args.strip}" if args.strip else ""))
     return args.output
 
 

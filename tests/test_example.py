@@ -20,9 +20,22 @@ def _load(name: str = "causal_rollout"):
     return module
 
 
-def test_example_writes_a_playable_mp4(tmp_path, capsys):
+def test_example_writes_a_playable_mp4_of_the_sprite_model_by_default(tmp_path, capsys):
+    output, strip = tmp_path / "rollout.mp4", tmp_path / "strip.png"
+    _load().main(["--output", str(output), "--strip", str(strip), "--strip-frames", "6"])
+    frames = iio.imread(output)
+    assert frames.shape[1:] == (32, 32, 3) and len(frames) >= 24  # the model's 32x32 frames, 8 chunks of 3
+    assert frames.std() > 1
+    assert iio.imread(strip).shape == (4 * 32, 6 * 4 * 32 + 5 * 2, 3)  # 6 frames scaled 4x, 2-pixel gaps
+    printed = capsys.readouterr().out
+    assert "the tiny sprite model of models/tiny-sprites: 'red ball moving right'" in printed
+    assert "random weights" not in printed
+
+
+def test_example_writes_a_playable_mp4_with_random_components(tmp_path, capsys):
     output = tmp_path / "rollout.mp4"
-    _load().main(["--output", str(output), "--num-frames", "17", "--chunk-frames", "2", "--guidance-scale", "2"])
+    _load().main(["--random", "--output", str(output), "--num-frames", "17", "--chunk-frames", "2",
+                  "--guidance-scale", "2"])
     frames = iio.imread(output)
     assert frames.shape == (17, 64, 64, 3)
     assert frames.std() > 1  # decoded content, not a blank video

@@ -1,0 +1,357 @@
+"""Train a tiny causal Wan model on synthetic sprite videos, from scratch, on a CPU; write a diffusers pipeline folder.
+
+    python examples/train_tiny_causal.py --output models/tiny-sprites --plot docs/tiny_sprites_loss.png
+
+Two stages, both seeded (``--seed``):
+
+1. **VAE.** A tiny stock ``AutoencoderKLWan`` (4x spatial, no temporal compression, 16 latent channels) learns to
+   reconstruct 5-frame sprite clips (``examples/sprites/task.py``): weighted L1 + MSE with the sprite pixels weighted
+   up, plus a small KL term. Its ``latents_mean``/``latents_std`` are then set to the statistics of the encoded
+   training clips, so the pipeline's un-normalisation gives the transformer unit-scale latents.
+2. **Transformer.** A tiny stock ``WanTransformer3DModel`` trained with flow matching on the VAE latents of
+   ``--clips`` clips, through the package's training paths: teacher forcing (``CausalContext(mode=
+   "teacher_forcing")``: ``[clean | noisy]``, noisy chunk *k* attends to the clean chunks before it and itself, one
+   noise level per chunk), which is what a causal rollout with a clean committed prefix sees, and, for a fraction
+   ``--bidirectional-fraction`` of the steps, plain full-sequence forwards at one noise level (the stock processors,
+   no context: the bidirectional baseline of ``benchmarks/quality.py``). A fraction ``--switch-fraction`` of the
+   clips change colour at a chunk boundary, with the prompt naming the new colour and no loss on the chunks before
+   the switch: what a prompt switch with a re-cache shows the model.
+
+The prompts are encoded by the pipeline's own text path (``tiny_tokenizer`` and ``tiny_text_encoder``: a random
+UMT5 encoder frozen at its seed-0 initialisation, deterministic per prompt). The folder written by ``--output`` is
+a ``CausalWanPipeline`` (tokenizer, text encoder, VAE, scheduler, transformer, ``causal_config.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+from diffusers_causal_kv import CausalConfig, CausalContext, CausalWanAttnProcessor, CausalWanPipeline, chunk_schedule
+from diffusers_causal_kv.testing import tiny_text_encoder, tiny_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sprites import task  # noqa: E402
+
+VAE_CLIP_FRAMES = 5  # the Wan VAE encodes the first frame, then groups of 4: 5 frames exercise its causal cache
+# Sampling settings saved with the model: a rolling window of 9 frames with re-indexed positions, so a chunk of any
+# long rollout sees the positions of the last chunk of a 12-frame training crop (``--train-frames``).
+SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1.0, guidance_scale=3.0, num_frames=24,
+                        window_frames=9, positions="relative")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4000, help="transformer training steps")
+    parser.add_argument("--vae-steps", type=int, default=1000, help="VAE training steps")
+    parser.add_argument("--clips", type=int, default=400, help="training clips encoded for the transformer")
+    parser.add_argument("--clip-frames", type=int, default=25, help="frames per encoded clip (4k+1)")
+    parser.add_argument("--train-frames", type=int, default=12, help="latent frames per training sample")
+    parser.add_argument("--chunk-frames", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vae-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--vae-lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100, help="transformer steps of linear learning-rate warmup")
+    parser.add_argument("--bidirectional-fraction", type=float, default=0.1)
+    parser.add_argument("--text-dropout", type=float, default=0.1,
+                        help="fraction of samples trained on the empty prompt (for classifier-free guidance)")
+    parser.add_argument("--vae-from", default=None,
+                        help="a trained VAE folder (e.g. a previous run's OUTPUT/vae) instead of training one")
+    parser.add_argument("--switch-fraction", type=float, default=0.2)
+    parser.add_argument("--fixed-batch", action="store_true",
+                        help="reuse one batch (data and noise) for every transformer step (a smoke test)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--output", default=None, help="folder for the CausalWanPipeline (save_pretrained)")
+    parser.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    return parser.parse_args(argv)
+
+
+def build_vae(seed: int) -> AutoencoderKLWan:
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, False], scale_factor_temporal=1, scale_factor_spatial=4)
+
+
+def build_transformer(seed: int) -> WanTransformer3DModel:
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=64, ffn_dim=256, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def learning_rate(peak: float, step: int, steps: int, warmup: int, floor: float) -> float:
+    """Linear warmup over ``warmup`` steps, then a cosine decay from ``peak`` to ``floor * peak``."""
+    cosine = 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
+    return peak * min(1.0, (step + 1) / max(1, warmup)) * (floor + (1 - floor) * cosine)
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- VAE
+def vae_batch(rng: np.random.Generator, batch: int, frames: int) -> torch.Tensor:
+    clips = []
+    for _ in range(batch):
+        switch = int(rng.integers(1, frames)) if rng.random() < 0.2 else None
+        clips.append(task.to_model_range(task.sample_clip(frames, rng, switch_at=switch).frames))
+    return torch.cat(clips)
+
+
+def vae_loss(vae: AutoencoderKLWan, x: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """Weighted L1 + MSE (sprite pixels count 21 times) plus a small KL term; returns it and the plain pixel MSE."""
+    posterior = vae.encode(x).latent_dist
+    mu, logvar = posterior.mean, posterior.logvar
+    z = mu + torch.randn(mu.shape, generator=generator) * posterior.std
+    recon = vae.decode(z, return_dict=False)[0]
+    background = torch.tensor(task.BACKGROUND).view(1, 3, 1, 1, 1) * 2 - 1
+    weight = 1.0 + 20.0 * ((x - background).abs().sum(1, keepdim=True) > 0.1).float()
+    error = recon - x
+    reconstruction = (weight * (error.abs() + error**2)).mean()
+    kl = 0.5 * (mu**2 + logvar.exp() - 1 - logvar).mean()
+    return reconstruction + 1e-4 * kl, float((error.detach()**2).mean())
+
+
+def train_vae(vae: AutoencoderKLWan, args, rng: np.random.Generator, log) -> list[float]:
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed)
+    losses = []
+    vae.train()
+    for step in range(args.vae_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.vae_lr, step, args.vae_steps, 20, floor=0.1)
+        loss, mse = vae_loss(vae, vae_batch(rng, args.vae_batch, VAE_CLIP_FRAMES), generator)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        losses.append(mse)
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.vae_steps:
+            log(f"vae step {step + 1:5d}/{args.vae_steps}: pixel mse {mse:.5f} "
+                f"(smoothed {smoothed(losses, 50)[-1]:.5f})")
+    vae.eval()
+    return losses
+
+
+@torch.no_grad()
+def encode_clips(vae: AutoencoderKLWan, clips: list[task.Clip], batch: int = 16) -> torch.Tensor:
+    """Posterior means ``[clips, 16, frames, 8, 8]`` (raw, not normalised)."""
+    out = []
+    for i in range(0, len(clips), batch):
+        x = torch.cat([task.to_model_range(c.frames) for c in clips[i:i + batch]])
+        out.append(vae.encode(x).latent_dist.mean)
+    return torch.cat(out)
+
+
+def set_latent_statistics(vae: AutoencoderKLWan, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = latents.mean(dim=(0, 2, 3, 4))
+    std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    vae.register_to_config(latents_mean=[round(float(v), 5) for v in mean],
+                           latents_std=[round(float(v), 5) for v in std])
+    return mean.view(1, -1, 1, 1, 1), std.view(1, -1, 1, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------------- transformer
+def make_dataset(args, rng: np.random.Generator) -> list[task.Clip]:
+    """``--clips`` clips of ``--clip-frames`` frames; a ``--switch-fraction`` of them change colour at the middle
+    frame (``clip_frames // 2``, where a training crop can put a chunk boundary)."""
+    clips = []
+    for _ in range(args.clips):
+        switch = args.clip_frames // 2 if rng.random() < args.switch_fraction else None
+        clips.append(task.sample_clip(args.clip_frames, rng, switch_at=switch))
+    return clips
+
+
+def crop(clip: task.Clip, args, rng: np.random.Generator) -> tuple[int, int]:
+    """``(offset, first chunk with a loss)`` of a training crop: a switch clip's crop puts the switch on a chunk
+    boundary after the first chunk and skips the loss of the chunks before it."""
+    length, chunk = args.train_frames, args.chunk_frames
+    switch = next((i for i, p in enumerate(clip.prompts) if p != clip.prompts[0]), None)
+    if switch is None:
+        return int(rng.integers(0, args.clip_frames - length + 1)), 0
+    options = [k for k in range(1, length // chunk) if 0 <= switch - k * chunk <= args.clip_frames - length]
+    k = options[int(rng.integers(len(options)))]
+    return switch - k * chunk, k
+
+
+def training_batch(latents, clips, embeds, args, rng, generator):
+    """Normalised clean latents, noise, per-chunk noise levels, prompt embeddings and per-chunk loss weights."""
+    sizes = chunk_schedule(args.train_frames, args.chunk_frames)
+    index = rng.integers(0, len(clips), size=args.batch)
+    clean, texts, weights = [], [], []
+    for i in index:
+        offset, first = crop(clips[i], args, rng)
+        clean.append(latents[i, :, offset:offset + args.train_frames])
+        prompt = clips[i].prompts[-1] if first else clips[i].prompts[offset]
+        texts.append(embeds["" if rng.random() < args.text_dropout else prompt])
+        weights.append([0.0 if k < first else 1.0 for k in range(len(sizes))])
+    clean = torch.stack(clean)
+    noise = torch.randn(clean.shape, generator=generator)
+    levels = torch.rand(args.batch, len(sizes), generator=generator)
+    return clean, noise, levels, torch.cat(texts), torch.tensor(weights)
+
+
+def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk_frames) -> torch.Tensor:
+    batch, _, frames, height, width = clean.shape
+    frame_tokens = (height // 2) * (width // 2)
+    sizes = torch.tensor(chunk_schedule(frames, chunk_frames))
+    sigma = levels.repeat_interleave(sizes, dim=1).view(batch, 1, frames, 1, 1)
+    noisy = (1 - sigma) * clean + sigma * noise
+    per_token = torch.cat([torch.zeros(batch, frames * frame_tokens),
+                           (levels * 1000).repeat_interleave(sizes * frame_tokens, dim=1)], dim=1)
+    with CausalContext(transformer, mode="teacher_forcing", chunk_frames=chunk_frames):
+        flow = transformer(hidden_states=torch.cat([clean, noisy], dim=2), timestep=per_token,
+                           encoder_hidden_states=text, return_dict=False)[0][:, :, frames:]
+    per_frame = ((flow - (noise - clean)) ** 2).mean(dim=(1, 3, 4))  # [batch, frames]
+    frame_weights = weights.repeat_interleave(sizes, dim=1)
+    return (per_frame * frame_weights).sum() / frame_weights.sum().clamp_min(1.0)
+
+
+def bidirectional_loss(transformer, clean, noise, levels, text, weights) -> torch.Tensor:
+    """Full-sequence flow matching at one noise level per sample, stock attention (no context). Switch crops are
+    left out: their prompt names the colour of the later frames only."""
+    keep = weights.min(dim=1).values > 0
+    if not keep.any():
+        keep[:] = True
+    clean, noise, text, sigma = clean[keep], noise[keep], text[keep], levels[keep, :1]
+    noisy = (1 - sigma.view(-1, 1, 1, 1, 1)) * clean + sigma.view(-1, 1, 1, 1, 1) * noise
+    flow = transformer(hidden_states=noisy, timestep=sigma[:, 0] * 1000, encoder_hidden_states=text,
+                       return_dict=False)[0]
+    return F.mse_loss(flow, noise - clean)
+
+
+def train_transformer(transformer, latents, clips, embeds, args, rng, log) -> dict[str, list[float]]:
+    transformer.set_attn_processor(CausalWanAttnProcessor())
+    transformer.train()
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    losses = {"teacher_forcing": [], "bidirectional": []}
+    fixed = training_batch(latents, clips, embeds, args, rng, generator) if args.fixed_batch else None
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.lr, step, args.steps, args.warmup, floor=0.05)
+        batch = fixed or training_batch(latents, clips, embeds, args, rng, generator)
+        bidirectional = not args.fixed_batch and rng.random() < args.bidirectional_fraction
+        if bidirectional:
+            loss = bidirectional_loss(transformer, *batch)
+        else:
+            loss = teacher_forcing_loss(transformer, *batch, args.chunk_frames)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        losses["bidirectional" if bidirectional else "teacher_forcing"].append(loss.item())
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            tf = losses["teacher_forcing"]
+            log(f"transformer step {step + 1:5d}/{args.steps}: "
+                f"{'bidirectional' if bidirectional else 'teacher forcing'} loss {loss.item():.4f} "
+                f"(teacher forcing, smoothed over 100: {smoothed(tf, 100)[-1] if tf else float('nan'):.4f})")
+    transformer.eval()
+    return losses
+
+
+def plot_losses(path: str, vae_losses: list[float], losses: dict[str, list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].plot(vae_losses, alpha=0.3, color="C0")
+    axes[0].plot(smoothed(vae_losses, 50), color="C0")
+    axes[0].set(title="VAE: pixel MSE", xlabel="step", yscale="log")
+    for i, (name, values) in enumerate(losses.items()):
+        if values:
+            axes[1].plot(values, alpha=0.25, color=f"C{i + 1}")
+            axes[1].plot(smoothed(values, 100), color=f"C{i + 1}", label=name)
+    axes[1].set(title="transformer: flow-matching loss", xlabel="step (per kind)", yscale="log")
+    axes[1].legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - began:7.1f} s] {message}", flush=True)
+
+    rng = np.random.default_rng(args.seed)
+    if args.vae_from is None:
+        vae = build_vae(args.seed)
+        vae_losses = train_vae(vae, args, rng, log)
+    else:
+        vae, vae_losses = AutoencoderKLWan.from_pretrained(args.vae_from), []
+        log(f"VAE loaded from {args.vae_from}")
+    vae.eval()
+    vae_seconds = time.perf_counter() - began
+
+    clips = make_dataset(args, rng)
+    raw = encode_clips(vae, clips)
+    mean, std = set_latent_statistics(vae, raw)
+    latents = (raw - mean) / std
+    log(f"encoded {len(clips)} clips of {args.clip_frames} frames -> latents {tuple(latents.shape[1:])}")
+
+    text_encoder, tokenizer = tiny_text_encoder(seed=0).requires_grad_(False), tiny_tokenizer()
+    transformer = build_transformer(args.seed)
+    pipe = CausalWanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                             scheduler=FlowMatchEulerDiscreteScheduler(shift=SAMPLING.shift),
+                             causal_config=SAMPLING.replace(chunk_frames=args.chunk_frames))
+    with torch.no_grad():
+        embeds = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0] for p in task.PROMPTS + [""]}
+    log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M parameters")
+    transformer_began = time.perf_counter()
+    losses = train_transformer(transformer, latents, clips, embeds, args, rng, log)
+    transformer_seconds = time.perf_counter() - transformer_began
+
+    tf = losses["teacher_forcing"]
+    summary = {
+        "vae_steps": 0 if args.vae_from else args.vae_steps, "vae_from": args.vae_from, "steps": args.steps,
+        "seed": args.seed,
+        "vae_seconds": round(vae_seconds, 1), "transformer_seconds": round(transformer_seconds, 1),
+        "seconds": round(time.perf_counter() - began, 1),
+        "vae_mse_last50": float(np.mean(vae_losses[-50:])) if vae_losses else None,
+        "teacher_forcing_loss_first100": float(np.mean(tf[:100])) if tf else None,
+        "teacher_forcing_loss_last100": float(np.mean(tf[-100:])) if tf else None,
+        "bidirectional_loss_last100": (float(np.mean(losses["bidirectional"][-100:]))
+                                       if losses["bidirectional"] else None),
+    }
+    if args.output is not None:
+        pipe.save_pretrained(args.output, safe_serialization=True)
+        with open(Path(args.output) / "training_summary.json", "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        log(f"wrote the pipeline to {args.output}")
+    if args.plot is not None:
+        plot_losses(args.plot, vae_losses, losses)
+        log(f"wrote the loss plot to {args.plot}")
+    print(json.dumps(summary))
+    return {"summary": summary, "vae_losses": vae_losses, "losses": losses, "pipeline": pipe}
+
+
+if __name__ == "__main__":
+    main()
