@@ -242,6 +242,13 @@ class CausalWanDenoiseStep(ModularPipelineBlocks):
         return components, state
 
 
+def _condition_latents_input() -> InputParam:
+    """The I2V condition input of the Wan2.1 and Wan2.2 image-to-video denoise steps."""
+    return InputParam("image_condition_latents", required=True, type_hint=torch.Tensor,
+                      description="Mask and image latents of every frame, [batch, 20, frames, height, width]. Can "
+                                  "be generated in the vae_encoder step.")
+
+
 class CausalWanImage2VideoDenoiseStep(CausalWanDenoiseStep):
     """:class:`CausalWanDenoiseStep` for Wan2.1 I2V: each chunk's latents are concatenated with the chunk's frames of
     ``image_condition_latents`` (mask and first-frame latents) and every forward gets ``image_embeds``."""
@@ -253,9 +260,7 @@ class CausalWanImage2VideoDenoiseStep(CausalWanDenoiseStep):
     def inputs(self) -> list[InputParam]:
         return [
             *super().inputs,
-            InputParam("image_condition_latents", required=True, type_hint=torch.Tensor,
-                       description="Mask and image latents of every frame, [batch, 20, frames, height, width]. Can "
-                                   "be generated in the vae_encoder step."),
+            _condition_latents_input(),
             InputParam("image_embeds", required=True, type_hint=torch.Tensor,
                        description="Image-encoder embeddings. Can be generated in the image_encoder step."),
         ]
@@ -309,9 +314,7 @@ class CausalWan22Image2VideoDenoiseStep(_TwoExpertSteps, CausalWanDenoiseStep):
     def inputs(self) -> list[InputParam]:
         return [
             *super().inputs,
-            InputParam("image_condition_latents", required=True, type_hint=torch.Tensor,
-                       description="Mask and image latents of every frame, [batch, 20, frames, height, width]. Can "
-                                   "be generated in the vae_encoder step."),
+            _condition_latents_input(),
         ]
 
     def per_frame_inputs(self, block_state) -> dict:
