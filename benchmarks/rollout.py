@@ -29,8 +29,10 @@ import json
 import platform
 import resource
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -46,6 +48,9 @@ from diffusers_causal_kv import (
 )
 from diffusers_causal_kv.rotary import apply_rotary_emb, rope_for_frames
 from diffusers_causal_kv.testing import MaskedStockProcessor, tiny_wan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this script is loaded
+from realtime import SHAPES, measure_realtime, print_realtime  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,6 @@ PRESETS = {
     "medium": Preset(layers=8, heads=8, head_dim=64, ffn_dim=2048, frames=12, height=32, width=32, chunk=3, steps=4,
                      text_len=128, text_dim=512, repeats=3),
 }
-# Wan2.1-T2V-1.3B: 480x832 video -> 60x104 latents -> 30x52 = 1560 tokens per latent frame; 81 frames -> 21 latent.
-WAN_1_3B = Preset(layers=30, heads=12, head_dim=128, ffn_dim=8960, frames=21, height=60, width=104, chunk=3,
-                  steps=4, text_len=512, text_dim=4096, freq_dim=256, repeats=2)
 SIGMAS = (1.0, 0.75, 0.5, 0.25)  # few-step schedule, truncated to the preset's steps
 IN_CHANNELS = 16
 TARGETS = {"static_vs_ideal": 1.05, "installed_no_context_vs_stock": 1.02}
@@ -396,6 +398,52 @@ def measure_processor_overhead(causal, stock, noise, text, repeats: int) -> dict
     }
 
 
+@torch.no_grad()
+def measure_python_costs(device, rounds: int = 400, warmup: int = 50) -> dict:
+    """Fixed per-forward costs, on the ``tiny`` model (one latent frame, 16 tokens) where they dominate: processors
+    and hooks installed but no context vs stock (and a second stock copy, the noise floor of the comparison), and a
+    cached forward in a ``CausalContext`` vs the bare ideal processors doing the same attention. Medians of
+    interleaved rounds (alternating order), in microseconds."""
+    preset = PRESETS["tiny"]
+    dtype = torch.float32
+    stock, stock_copy, installed = (build_model(preset, device, dtype) for _ in range(3))
+    installed.set_attn_processor(CausalWanAttnProcessor())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, IN_CHANNELS, 1, preset.height, preset.width, generator=g).to(device)
+    text = torch.randn(1, preset.text_len, preset.text_dim, generator=g).to(device)
+    cached = Cached("cached", installed, text, VanillaKVCacheEngine())
+    cached.commit(x, 0)  # one cached frame (this also installs the hooks), then every timed pass reads it
+    ideal = Ideal(build_model(preset, device, dtype), text, replace(preset, frames=2))
+    ideal.reset()
+    ideal.commit(x, 0)
+    timestep = torch.full((1,), 500.0, device=device)
+
+    def stock_forward(model):
+        return lambda: model(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+
+    calls = {"stock": stock_forward(stock), "stock_copy": stock_forward(stock_copy),
+             "installed_no_context": stock_forward(installed), "cached": lambda: cached.denoise(x, 500.0, 1),
+             "ideal": lambda: ideal.denoise(x, 500.0, 1)}
+    times = {name: [] for name in calls}
+    for r in range(warmup + rounds):
+        for name, call in list(calls.items())[:: 1 if r % 2 else -1]:
+            synchronize(device)
+            began = time.perf_counter()
+            call()
+            synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - began)
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    return {
+        "layers": preset.layers, "forward_tokens": preset.frame_tokens, "rounds": rounds,
+        "stock_us": us["stock"], "installed_no_context_us": us["installed_no_context"], "cached_us": us["cached"],
+        "ideal_us": us["ideal"],
+        "installed_no_context_vs_stock_ratio": us["installed_no_context"] / us["stock"],
+        "stock_copy_vs_stock_ratio": us["stock_copy"] / us["stock"],
+        "context_cost_us": us["cached"] - us["ideal"],
+    }
+
+
 def measure_compile(preset: Preset, device, dtype, backend: str) -> dict:
     """Cached rollouts (static engine) over blocks compiled with diffusers' compile_repeated_blocks: graph breaks,
     graphs compiled per rollout (every graph after the first is a recompile) and the difference to eager."""
@@ -428,31 +476,6 @@ def measure_compile(preset: Preset, device, dtype, backend: str) -> dict:
         "eager_seconds": sum(eager_chunks),
         "compiled_seconds": sum(compiled_chunks),
         "max_abs_diff_vs_eager": (compiled.float() - eager.float()).abs().max().item(),
-    }
-
-
-@torch.no_grad()
-def measure_cuda_wan(dtype: torch.dtype) -> dict:
-    """Frames per second and per-chunk latency of a static-engine rollout at the Wan2.1-1.3B shape."""
-    preset = WAN_1_3B
-    model = build_model(preset, "cuda", dtype)
-    model.set_attn_processor(CausalWanAttnProcessor())
-    noise, renoise, text = make_inputs(preset, "cuda", dtype)
-    variant = Cached("cached-static", model, text, StaticKVCacheEngine(max_frames=preset.frames))
-    run_rollout(variant, noise, renoise, list(SIGMAS[: preset.steps]))  # warm-up
-    torch.cuda.reset_peak_memory_stats()
-    runs = [run_rollout(variant, noise, renoise, list(SIGMAS[: preset.steps]))[1] for _ in range(preset.repeats)]
-    per_chunk = [statistics.median(c) for c in zip(*runs)]
-    total = sum(per_chunk)
-    video_frames = 4 * (preset.frames - 1) + 1
-    return {
-        "shape": asdict(preset),
-        "latent_frames_per_second": preset.frames / total,
-        "video_frames_per_second": video_frames / total,
-        "chunk_latency_seconds": per_chunk,
-        "rollout_seconds": total,
-        "peak_cuda_memory_bytes": torch.cuda.max_memory_allocated(),
-        "engine_memory_bytes": variant.engine.memory_bytes(),
     }
 
 
@@ -494,10 +517,15 @@ def print_table(report: dict) -> None:
               f"{c['recompiles_first_rollout']} recompiles in the first rollout, "
               f"{c['recompiles_second_rollout']} in the second; "
               f"max |compiled - eager| {c['max_abs_diff_vs_eager']:.1e}")
-    if "cuda_wan2.1_1.3b" in report:
-        w = report["cuda_wan2.1_1.3b"]
-        print(f"Wan2.1-1.3B shape on CUDA: {w['video_frames_per_second']:.2f} video frames/s, per-chunk latency "
-              + ", ".join(f"{s:.3f}" for s in w["chunk_latency_seconds"]) + " s")
+    c = report["python_costs"]
+    print(f"python costs on a tiny model ({c['forward_tokens']} tokens, {c['layers']} layers; medians of "
+          f"{c['rounds']} interleaved rounds): stock forward {c['stock_us']:.0f} us; processors and hooks installed, "
+          f"no context +{c['installed_no_context_us'] - c['stock_us']:.1f} us "
+          f"({c['installed_no_context_vs_stock_ratio']:.3f}x; a second stock copy "
+          f"{c['stock_copy_vs_stock_ratio']:.3f}x, the noise floor); cached forward in a context "
+          f"+{c['context_cost_us']:.1f} us over the bare ideal processors ({c['ideal_us']:.0f} us)")
+    if "realtime" in report:
+        print_realtime(report["realtime"])
 
 
 def have_matplotlib() -> bool:
@@ -534,6 +562,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile", action="store_true",
                         help="also run rollouts over compiled blocks and report graph breaks and recompiles")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--realtime", choices=sorted(SHAPES),
+                        help="also measure a real-time stream (fps, time to first frame, per-chunk latency per mode) "
+                             "at this shape; default wan-1.3b with --device cuda, none on CPU")
+    parser.add_argument("--realtime-backend", default=None,
+                        help="compile backend of the real-time rows (default: inductor on CUDA, aot_eager on CPU)")
+    parser.add_argument("--realtime-repeats", type=int, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak rate for the FLOP bound (default: a measured dense matmul rate)")
     args = parser.parse_args(argv)
     if args.plot and not have_matplotlib():  # fail before the run, not after it
         parser.error("--plot needs matplotlib, which is not installed: python -m pip install matplotlib")
@@ -546,6 +582,7 @@ def main(argv=None) -> dict:
 
     measured, causal, stock, (noise, text) = measure_rollouts(preset, args.device, dtype, preset.repeats)
     overhead = measure_processor_overhead(causal, stock, noise, text, max(4 * preset.repeats, 10))
+    python_costs = measure_python_costs(args.device)
     flops = rollout_flops(preset)
     seconds = measured["seconds"]
     report = {
@@ -565,6 +602,7 @@ def main(argv=None) -> dict:
         "nocache_vs_cached_flop_ratio": flops["no-cache"] / flops["cached"],
         "engine_vs_ideal_ratio": {n: seconds[n] / seconds["ideal"] for n in ("cached-vanilla", "cached-static")},
         **overhead,
+        "python_costs": python_costs,
         "memory_bytes_match": {n: measured["memory_bytes"][n] == measured["memory_bytes_analytic"][n]
                                for n in measured["memory_bytes"]},
         "peak_process_memory_bytes": peak_process_memory_bytes(),
@@ -575,8 +613,12 @@ def main(argv=None) -> dict:
         report["peak_cuda_memory_bytes"] = torch.cuda.max_memory_allocated()
     if args.compile:
         report["compile"] = measure_compile(preset, args.device, dtype, args.compile_backend)
-    if args.device == "cuda":
-        report["cuda_wan2.1_1.3b"] = measure_cuda_wan(torch.bfloat16)
+    realtime = args.realtime or ("wan-1.3b" if args.device == "cuda" else None)
+    if realtime:
+        backend = args.realtime_backend or ("inductor" if args.device == "cuda" else "aot_eager")
+        realtime_dtype = torch.bfloat16 if args.device == "cuda" else dtype
+        report["realtime"] = measure_realtime(realtime, args.device, realtime_dtype, backend, args.realtime_repeats,
+                                              args.peak_tflops)
     print_table(report)
     if args.plot:
         plot(report, args.plot)

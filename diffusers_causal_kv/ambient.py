@@ -53,6 +53,11 @@ def running_pass():
     return _RUNNING_PASS.get()
 
 
+def nothing_published() -> bool:
+    """Whether eager and compiled attention code alike would compute stock attention now (no pass published)."""
+    return _RUNNING_PASS.get() is None and getattr(_COMPILED_PASS, "value", None) is None
+
+
 @contextlib.contextmanager
 def publishing(forward_pass):
     """Publish ``forward_pass`` (or ``None``: stock attention) to eager and compiled attention code alike."""

@@ -61,23 +61,30 @@ def projection_state(transformer: torch.nn.Module, lora_scale: float = 1.0) -> t
     """
     state, has_lora = [], False
     for attn in topology(transformer).attention():
-        for name in _KV_SUBMODULES:
-            module = getattr(attn, name, None)
-            if module is None:
+        # Read the children straight from _modules: nn.Module.__getattr__ on a missing name raises and catches an
+        # AttributeError, and this runs for every K/V submodule of every block on every cached forward.
+        for name, module in attn._modules.items():
+            if module is None or name not in _KV_SUBMODULES:
                 continue
-            has_lora = has_lora or isinstance(getattr(module, "scaling", None), dict)
-            state.append((name, id(module), *_adapter_state(module)))
-            state.extend((id(param), -1 if param.is_inference() else param._version) for param in module.parameters())
+            adapters = _adapter_state(module)
+            has_lora = has_lora or bool(adapters)
+            state.append((name, id(module), *adapters))
+            params = module.parameters() if module._modules else module._parameters.values()
+            state.extend((id(param), -1 if param.is_inference() else param._version) for param in params
+                         if param is not None)
     if has_lora:
         state.append(("lora scale", float(lora_scale)))
     return tuple(state)
 
 
 def _adapter_state(module: torch.nn.Module) -> tuple:
-    scaling = getattr(module, "scaling", None)
+    """A PEFT LoRA layer's active and merged adapters, scaling and switch; ``()`` for any other module."""
+    scaling = module.__dict__.get("scaling")
+    if not isinstance(scaling, dict):
+        return ()
     return (
         tuple(getattr(module, "active_adapters", ()) or ()),
         tuple(getattr(module, "merged_adapters", ()) or ()),
-        tuple(sorted(scaling.items())) if isinstance(scaling, dict) else (),
+        tuple(sorted(scaling.items())),
         bool(getattr(module, "disable_adapters", False)),
     )
