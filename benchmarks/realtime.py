@@ -193,6 +193,8 @@ def synchronize(device: torch.device) -> None:
 def compile_transformer(model, backend: str, graphs: bool) -> dict:
     """Compile the blocks; returns the compile settings actually used."""
     cuda_graphs = graphs and backend == "inductor" and model.device.type == "cuda"
+    # Graphs are specialised per kind of pass (README, Performance): a stream of a few chunks needs about 20.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     kwargs = {"mode": "reduce-overhead"} if cuda_graphs else {}
     model.compile_repeated_blocks(backend=backend, **kwargs)
     if cuda_graphs:  # each transformer forward is one step of the graph trees (its outputs outlive the next one)

@@ -406,8 +406,13 @@ class BaseKVCacheEngine:
 
     def _drop_tag(self, cache_tag: str) -> None:
         self._tags.pop(cache_tag, None)
-        for entries in (*self._self_kv.values(), *self._cross_kv.values()):
-            entries.pop(cache_tag, None)
+        # Emptied blocks go too, so that a cleared engine is laid out like a new one (compiled graphs guard on it:
+        # a stream restarted after clear() then reuses the graphs of the first one).
+        for entries_of in (self._self_kv, self._cross_kv):
+            for block_idx in list(entries_of):
+                entries_of[block_idx].pop(cache_tag, None)
+                if not entries_of[block_idx]:
+                    del entries_of[block_idx]
 
     def _any_entry(self, cache_tag: str):
         return next((tags[cache_tag] for tags in self._self_kv.values() if cache_tag in tags), None)
