@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -258,7 +259,8 @@ def plot_long(bench: Bench, chunks: int, windows: list[int], sink: int, path: st
     window_chunks = max(1, chunks // 50)
     for i, (label, values) in enumerate(series.items()):
         for ax, name in zip(axes, ("present", "physics_px", "pixel_drift")):
-            mean = np.nanmean(values[name], axis=0)
+            with warnings.catch_warnings(action="ignore", category=RuntimeWarning):  # chunks with no tracked frame
+                mean = np.nanmean(values[name], axis=0)
             smooth = np.convolve(np.nan_to_num(mean), np.ones(window_chunks) / window_chunks, mode="valid")
             ax.plot(np.arange(len(smooth)) + window_chunks - 1, smooth, label=label, color=f"C{i}")
             ax.set_ylabel(name)
@@ -284,6 +286,12 @@ def _finite(value):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.plot is not None:
+        try:  # fail before the run, not after it
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                "--plot needs matplotlib, which is not installed: python -m pip install matplotlib") from None
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
     bench = Bench(args.model, PROMPTS[:args.prompts], args.seed)
