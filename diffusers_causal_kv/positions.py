@@ -44,7 +44,10 @@ class TemporalRoPEOffsetHook(ModelHook):
         rows = height // p_h
         positions = torch.arange(frames // p_t) if p is None else p.positions
         first_row = 0 if split is None else split.rank * rows
-        return rope_for_frames(module, positions.to(module.freqs_cos.device), rows, width // p_w, first_row)
+        # non_blocking: a blocking copy from host memory waits for the device to finish all the work queued so far,
+        # once per forward; from pageable memory the copy is staged before the call returns, so this is safe.
+        positions = positions.to(module.freqs_cos.device, non_blocking=True)
+        return rope_for_frames(module, positions, rows, width // p_w, first_row)
 
 
 def install_rope_hook(transformer: torch.nn.Module) -> None:
