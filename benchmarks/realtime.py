@@ -321,7 +321,6 @@ def measure_realtime(shape_name: str, device: str, dtype: torch.dtype, backend: 
             "reference": "cfg separate" if mode.cfg else "eager",
             "max_abs_diff_vs_reference": (outputs[name].float() - reference.float()).abs().max().item(),
         }
-    cudagraph_skips = dict(counters["inductor"].get("cudagraph_skips", {})) if "inductor" in counters else {}
     return {
         "shape_name": shape_name,
         "shape": asdict(shape),
@@ -334,7 +333,8 @@ def measure_realtime(shape_name: str, device: str, dtype: torch.dtype, backend: 
         "compile_backend": backend,
         "peak_flops_per_second": peak,
         "peak_source": "given (--peak-tflops)" if peak_tflops else "measured dense matmul",
-        "cudagraph_skips": cudagraph_skips,
+        # graphs inductor declined to capture (it logs each reason); 0 when none, or when nothing ran under graphs
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
         "rows": rows,
         # side by side in the same interleaved runs
         "cfg_batched_vs_separate_ratio": sum(rows["cfg batched"]["chunk_latency_seconds"])
@@ -365,6 +365,7 @@ def print_realtime(report: dict) -> None:
               f"{row['engine_memory_bytes'] / 2**20:>11.2f}")
     rows = report["rows"]
     print(f"batched / separate CFG stream time: {report['cfg_batched_vs_separate_ratio']:.3f}x"
-          f"; graphs row uses CUDA graphs: {rows['compiled+graphs']['compile']['cuda_graphs']}; recompiles after the "
+          f"; graphs row uses CUDA graphs: {rows['compiled+graphs']['compile']['cuda_graphs']} "
+          f"({report['cudagraph_skips']} skipped); recompiles after the "
           "first stream: " + ", ".join(f"{n} {r['recompiles_after_first_stream']}" for n, r in rows.items()
                                        if r["compile"]))

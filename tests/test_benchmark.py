@@ -95,6 +95,7 @@ def test_gpu_preset_runs_reduced_on_cpu_with_every_field(tiny_run, monkeypatch):
     assert rows["fp8 cache"]["engine_memory_bytes"] * 4 * head_dim == rows["eager"]["engine_memory_bytes"] * (
         head_dim + 1)
     assert realtime["cfg_batched_vs_separate_ratio"] > 0 and "batched / separate CFG" in stdout
+    assert realtime["cudagraph_skips"] == 0  # nothing ran under graphs on a CPU
 
     # The counted FLOPs (torch's FlopCounterMode) equal the analytic count of benchmarks/rollout.py for the same
     # stream: every denoising step and commit, attention over the rolling window, text K/V projected until cached.
