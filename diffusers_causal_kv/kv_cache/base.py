@@ -345,9 +345,11 @@ class BaseKVCacheEngine:
             self._write_encoded(block_idx, tag, key, value)
         self._tags[tag].committed_frames += info.chunk_frames
         if staged.cross_kv and not self.is_cross_init(tag):
+            # Copied once per tag: the staged tensors may be outputs of compiled blocks whose memory CUDA graphs
+            # reuse on their next replay.
             for block_idx, entry in staged.cross_kv.items():
                 self._cross_kv.setdefault(block_idx, {})[tag] = CrossEntry(*(
-                    None if t is None else self._storage.encode(t.detach())
+                    None if t is None else self._storage.encode(t.detach()).clone()
                     for t in (entry.key, entry.value, entry.key_img, entry.value_img)))
             self._tags[tag].conditioning = info.conditioning
 

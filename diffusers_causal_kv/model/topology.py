@@ -79,6 +79,7 @@ def projection_state(transformer: torch.nn.Module, lora_scale: float = 1.0) -> t
 
 def _adapter_state(module: torch.nn.Module) -> tuple:
     """A PEFT LoRA layer's active and merged adapters, scaling and switch; ``()`` for any other module."""
+    module = module._modules.get("_orig_mod") or module  # a LoRA layer wrapped by torch.compile
     scaling = module.__dict__.get("scaling")
     if not isinstance(scaling, dict):
         return ()
