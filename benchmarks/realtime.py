@@ -80,8 +80,7 @@ class StreamShape:
 
 SHAPES = {
     # Wan2.1-T2V-1.3B at 480x832: 1560 tokens per latent frame; 30 latent frames (117 video frames) in chunks of 3
-    # over a window of 16 frames with a 3-frame sink, so the last 5 chunks run in the steady state. Its ring of
-    # 16 - 3 - 1 = 12 frames cycles through 4 phases in chunks of 3 (compiled graphs are specialised per phase).
+    # over a window of 16 frames with a 3-frame sink, so the last 5 chunks run in the steady state.
     "wan-1.3b": StreamShape(layers=30, heads=12, head_dim=128, ffn_dim=8960, frames=30, height=60, width=104, chunk=3,
                             window_frames=16, sink_frames=3, steps=4, text_len=512, text_dim=4096, freq_dim=256,
                             vae="wan2.1", repeats=3),
@@ -197,8 +196,8 @@ def synchronize(device: torch.device) -> None:
 def compile_transformer(model, backend: str, graphs: bool) -> dict:
     """Compile the blocks; returns the compile settings actually used."""
     cuda_graphs = graphs and backend == "inductor" and model.device.type == "cuda"
-    # Graphs are specialised per block, kind of pass and ring phase (README, Performance): about 20 per block for the
-    # reduced shape, more for longer rings. Past the limits Dynamo would run the rest eagerly without a word.
+    # Graphs are specialised per block, kind of pass and window fill state (README, Performance). Past the limits
+    # Dynamo would run the rest eagerly without a word.
     limit = 64 * len(model.blocks)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)

@@ -88,16 +88,19 @@ def _graphs_per_chunk(model, engines, text, chunks):
 
 
 @pytest.mark.parametrize("positions", ["absolute", "relative"])
+@pytest.mark.parametrize("window, chunks, full", [
+    (3, [1] * 7, 3),  # a sink of 1 and one ring slot, written every chunk: full from the third chunk on
+    (5, [1] * 10, 4),  # three ring slots: the window starts at three different slots in turn (three phases)
+])
 @torch._dynamo.config.patch(recompile_limit=64)
-def test_rolling_steady_state_compiles_once(positions):
+def test_rolling_steady_state_compiles_once(positions, window, chunks, full):
     """Once a rolling window is full every chunk has the same shapes (the attended window, the ring slot a commit
-    writes): compiled blocks (aot_eager here; reduce-overhead on CUDA) give eager's results and compile nothing new
-    from chunk to chunk."""
+    writes) whatever the ring's phase: compiled blocks (aot_eager here; reduce-overhead on CUDA) give eager's
+    results and compile nothing new from chunk to chunk."""
     model = tiny_wan(layers=1, rope_max_seq_len=64)
     model.set_attn_processor(CausalWanAttnProcessor())
     text, _ = conditioning(model)
-    chunks = [1] * 7  # window 3 with a sink of 1: full from the third chunk on; one ring slot, written every chunk
-    engines = {"main": RollingKVCacheEngine(3, sink_frames=1, positions=positions)}
+    engines = {"main": RollingKVCacheEngine(window, sink_frames=1, positions=positions)}
     eager, _ = _graphs_per_chunk(model, engines, text, chunks)
     engines["main"].clear()
     torch._dynamo.reset()
@@ -109,6 +112,5 @@ def test_rolling_steady_state_compiles_once(positions):
         torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
     assert not counters["graph_break"]
-    full = 3  # the chunk index from which the window is full and every later chunk has its shapes
     print(f"graphs after each chunk: {graphs}")
     assert len(set(graphs[full:])) == 1, graphs

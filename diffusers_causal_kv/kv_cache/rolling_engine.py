@@ -76,10 +76,12 @@ class RingEntry:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     pass_slices: tuple | None = None
-    """``(chunk_frames, token slices)`` the pass in flight reads, set by :meth:`RollingKVCacheEngine.check_pass`
-    outside compiled code, so that compiled attention reads only these (equal from chunk to chunk once the window
-    is full) and never the frame counters (which grow every chunk and would recompile it); dropped whenever
-    ``frames`` or ``oldest`` change."""
+    """``(chunk_frames, token slices, token index)`` the pass in flight reads, set by
+    :meth:`RollingKVCacheEngine.check_pass` outside compiled code, so that compiled attention never reads the frame
+    counters (which grow every chunk and would recompile it). Compiled code reads through the index, a device tensor
+    of the window's token positions in the buffers: its length is the same from chunk to chunk once the window is
+    full, whatever the ring's phase, so one graph serves every chunk (slices would bake the phase into the graph).
+    Dropped whenever ``frames`` or ``oldest`` change."""
 
     def __setattr__(self, name, value):
         if name in ("frames", "oldest"):
@@ -121,6 +123,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         self.positions = positions
         self._ring_frames = window_frames - sink_frames - 1
         self._resume_at: dict[str, int] = {}  # tags skipped forward before their first commit
+        # token indices per (slices, device): as many as the ring has phases and the window fill states
+        self._token_indices: dict[tuple, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         state = super().__repr__().split("(", 1)[1]
@@ -151,7 +155,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         for entries in self._self_kv.values():
             entry = entries.get(info.cache_tag)
             if entry is not None and entry.keys is not None:
-                entry.pass_slices = (info.chunk_frames, self._window_slices(entry, info.chunk_frames))
+                slices = self._window_slices(entry, info.chunk_frames)
+                entry.pass_slices = (info.chunk_frames, slices, self._token_index(slices, entry.keys.device))
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
         """Every chunk of the schedule must fit next to the sink (``size <= W - S``)."""
@@ -348,12 +353,28 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     def _window_slices(self, entry: RingEntry, chunk_frames: int) -> tuple[slice, ...]:
         return tuple(s for frames in self._window(entry, chunk_frames) for s in self._slices(frames, entry))
 
+    def _token_index(self, slices: tuple[slice, ...], device: torch.device) -> torch.Tensor | None:
+        """The token positions of ``slices`` in order, on ``device`` (built there: no host-device copy)."""
+        if not slices:
+            return None
+        key = (tuple((s.start, s.stop) for s in slices), device)
+        if key not in self._token_indices:
+            self._token_indices[key] = torch.cat([torch.arange(s.start, s.stop, device=device) for s in slices])
+        return self._token_indices[key]
+
     def _pieces(self, entry: RingEntry, chunk_frames: int):
         if entry.keys is None:
             return [], []
         known = entry.pass_slices
-        slices = known[1] if known is not None and known[0] == chunk_frames else self._window_slices(entry,
-                                                                                                    chunk_frames)
+        if known is None or known[0] != chunk_frames:
+            return self._views(entry, self._window_slices(entry, chunk_frames))
+        if known[2] is not None and torch.compiler.is_compiling():
+            # One gather of fixed length instead of views whose bounds depend on the ring's phase (see RingEntry).
+            return [entry.keys.index_select(1, known[2])], [entry.values.index_select(1, known[2])]
+        return self._views(entry, known[1])
+
+    @staticmethod
+    def _views(entry: RingEntry, slices: tuple[slice, ...]):
         return [entry.keys[:, s] for s in slices], [entry.values[:, s] for s in slices]
 
     def _crop_entry(self, entry: RingEntry, keep_frames: int) -> None:
