@@ -31,7 +31,8 @@ from sprites import task, track  # noqa: E402
 
 PROMPTS = ["red ball moving right", "blue square moving down"]
 # 24 latent frames = 24 video frames (the VAE does not compress time). Over 4 chunks the unoffset-RoPE break below
-# still passed (speed 0.55 against 0.69); over 8 the sprite it makes slows to 0.40 px/frame.
+# still passed (speed 0.55 against 0.69); over 8 the sprite it makes slows to 0.40 px/frame. This holds for seeds 0
+# and 1; with seed 2 both speeds are 0.85, so the check relies on the fixed seed below.
 CHUNKS = 8
 MIN_PRESENT = 0.6  # fraction of frames, worst prompt; measured 0.75
 MIN_SPEED = 0.55  # px/frame, slowest prompt; measured 0.71 (seed 1: 0.77); unoffset RoPE 0.40 (seed 1: 0.37)
