@@ -20,6 +20,7 @@ bound on time they imply at the device's peak (a measured dense matmul rate, or 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -68,14 +69,19 @@ class StreamShape:
     guidance_scale: float = 3.0
 
     @property
-    def steady_chunks(self) -> list[int]:
-        """The chunks that attend over a full window (the same shapes every chunk)."""
-        starts = [sum(chunk_schedule(self.frames, self.chunk)[:k]) for k in range(len(self.schedule))]
-        return [k for k, s in enumerate(starts) if s >= self.window_frames - self.schedule[k]]
-
-    @property
     def schedule(self) -> list[int]:
         return chunk_schedule(self.frames, self.chunk)
+
+    @property
+    def chunk_slices(self) -> list[slice]:
+        """Each chunk's latent frames."""
+        ends = list(itertools.accumulate(self.schedule))
+        return [slice(end - size, end) for end, size in zip(ends, self.schedule)]
+
+    @property
+    def steady_chunks(self) -> list[int]:
+        """The chunks that attend over a full window (the same shapes every chunk)."""
+        return [k for k, c in enumerate(self.chunk_slices) if c.stop >= self.window_frames]
 
 
 SHAPES = {
@@ -225,20 +231,17 @@ def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def count_flops(runner: Runner, decoder: StreamingVAEDecoder) -> dict:
-    """FLOPs of one stream on the eager model: the transformer's work and the VAE decode's."""
-    with FlopCounterMode(display=False) as transformer_counter:
-        latents = runner.stream(None)["latents"]
+def count_flops(run) -> int:
+    """FLOPs of ``run()`` (matmuls, attention, convolutions)."""
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
+
+
+def decode_stream(decoder: StreamingVAEDecoder, shape: StreamShape, latents: torch.Tensor) -> None:
     decoder.reset()
-    with FlopCounterMode(display=False) as vae_counter:
-        for chunk in chunk_schedule_slices(runner.shape):
-            decoder.decode(latents[:, :, chunk])
-    return {"transformer": transformer_counter.get_total_flops(), "decode": vae_counter.get_total_flops()}
-
-
-def chunk_schedule_slices(shape: StreamShape) -> list[slice]:
-    starts = [sum(shape.schedule[:k]) for k in range(len(shape.schedule))]
-    return [slice(s, s + size) for s, size in zip(starts, shape.schedule)]
+    for chunk in shape.chunk_slices:
+        decoder.decode(latents[:, :, chunk])
 
 
 def summarise(shape: StreamShape, runs: list[dict]) -> dict:
@@ -302,16 +305,19 @@ def measure_realtime(shape_name: str, device: str, dtype: torch.dtype, backend: 
             runs[runner.mode.name].append(runner.stream(decoder))
             recompiles[runner.mode.name] += counters["stats"]["unique_graphs"] - graphs_before
 
-    flops = count_flops(runners[0], decoder)
-    cfg_flops = count_flops(next(r for r in runners if r.mode.cfg == "batched"), decoder)
+    # On the eager model: the stream without and with guidance, and the decode (the same for every row).
+    by_name = {runner.mode.name: runner for runner in runners}
+    flops = {guided: count_flops(lambda name=name: by_name[name].stream(None))
+             for guided, name in ((False, "eager"), (True, "cfg batched"))}
+    decode_flops = count_flops(lambda: decode_stream(decoder, shape, outputs["eager"]))
     peak = peak_tflops * 1e12 if peak_tflops else peak_flops_per_second(device, dtype)
     total_frames = sum(video_frames(shape.schedule))
     rows = {}
     for runner in runners:
         mode, name = runner.mode, runner.mode.name
-        work = cfg_flops if mode.cfg else flops
-        bound = work["transformer"] / peak
-        bound_decoded = (work["transformer"] + work["decode"]) / peak
+        work = flops[bool(mode.cfg)]
+        bound = work / peak
+        bound_decoded = (work + decode_flops) / peak
         reference = outputs["cfg separate" if mode.cfg else "eager"]
         rows[name] = {
             **summarise(shape, runs[name]),
@@ -320,8 +326,8 @@ def measure_realtime(shape_name: str, device: str, dtype: torch.dtype, backend: 
             "compile": settings.get(name),
             "graphs_compiled_first_stream": graphs[name] if mode.compiled else 0,
             "recompiles_after_first_stream": recompiles[name],
-            "flops": work["transformer"],
-            "decode_flops": work["decode"],
+            "flops": work,
+            "decode_flops": decode_flops,
             "flop_lower_bound_seconds": bound,
             "flop_lower_bound_with_decode_seconds": bound_decoded,
             "flop_bound_video_frames_per_second": total_frames / bound,
