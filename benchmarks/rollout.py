@@ -379,23 +379,32 @@ def measure_processor_overhead(causal, stock, noise, text, repeats: int) -> dict
     """Processors installed, no context, vs stock processors: one bidirectional forward over every frame."""
     stock.set_attn_processor(WanAttnProcessor())
     timestep = torch.full((noise.shape[0],), 500.0, device=noise.device)
-    times = {"installed-no-context": [], "stock": []}
-    outputs = {}
-    for r in range(repeats + 1):
-        for name, model in (("installed-no-context", causal), ("stock", stock))[:: 1 if r % 2 else -1]:
-            synchronize(noise.device)
-            began = time.perf_counter()
-            outputs[name] = model(hidden_states=noise, timestep=timestep, encoder_hidden_states=text,
-                                  return_dict=False)[0]
-            synchronize(noise.device)
-            if r:  # the first round warms up
-                times[name].append(time.perf_counter() - began)
+    times, outputs = time_interleaved(
+        {name: lambda model=model: model(hidden_states=noise, timestep=timestep, encoder_hidden_states=text,
+                                         return_dict=False)[0]
+         for name, model in (("installed-no-context", causal), ("stock", stock))},
+        rounds=repeats, warmup=1, device=noise.device)
     best = {name: min(t) for name, t in times.items()}
     return {
         "forward_seconds": best,
         "installed_no_context_vs_stock_ratio": best["installed-no-context"] / best["stock"],
         "installed_no_context_bitwise_equal": bool(torch.equal(outputs["installed-no-context"], outputs["stock"])),
     }
+
+
+def time_interleaved(calls: dict, rounds: int, warmup: int, device) -> tuple[dict, dict]:
+    """Seconds of each call per round (after ``warmup`` untimed rounds), the calls interleaved in alternating order,
+    and each call's last result."""
+    times, results = {name: [] for name in calls}, {}
+    for r in range(warmup + rounds):
+        for name, call in list(calls.items())[:: 1 if r % 2 else -1]:
+            synchronize(device)
+            began = time.perf_counter()
+            results[name] = call()
+            synchronize(device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - began)
+    return times, results
 
 
 @torch.no_grad()
@@ -424,15 +433,7 @@ def measure_python_costs(device, rounds: int = 400, warmup: int = 50) -> dict:
     calls = {"stock": stock_forward(stock), "stock_copy": stock_forward(stock_copy),
              "installed_no_context": stock_forward(installed), "cached": lambda: cached.denoise(x, 500.0, 1),
              "ideal": lambda: ideal.denoise(x, 500.0, 1)}
-    times = {name: [] for name in calls}
-    for r in range(warmup + rounds):
-        for name, call in list(calls.items())[:: 1 if r % 2 else -1]:
-            synchronize(device)
-            began = time.perf_counter()
-            call()
-            synchronize(device)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - began)
+    times, _ = time_interleaved(calls, rounds, warmup, device)
     us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     return {
         "layers": preset.layers, "forward_tokens": preset.frame_tokens, "rounds": rounds,
