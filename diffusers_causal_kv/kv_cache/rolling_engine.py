@@ -152,11 +152,15 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         """The base checks, then that the chunk fits next to the sink (``chunk_frames <= W - S``)."""
         super().check_pass(info)
         self._check_chunk(info.chunk_frames)
+        read = {}  # every block of a tag holds the same frames: work the window out once per layout
         for entries in self._self_kv.values():
             entry = entries.get(info.cache_tag)
             if entry is not None and entry.keys is not None:
-                slices = self._window_slices(entry, info.chunk_frames)
-                entry.pass_slices = (info.chunk_frames, slices, self._token_index(slices, entry.keys.device))
+                layout = (entry.frames, entry.oldest, entry.frame_tokens, entry.keys.device)
+                if layout not in read:
+                    slices = self._window_slices(entry, info.chunk_frames)
+                    read[layout] = (info.chunk_frames, slices, self._token_index(slices, entry.keys.device))
+                entry.pass_slices = read[layout]
 
     def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
         """Every chunk of the schedule must fit next to the sink (``size <= W - S``)."""
