@@ -51,7 +51,24 @@ class TemporalRoPEOffsetHook(ModelHook):
 
 
 def install_rope_hook(transformer: torch.nn.Module) -> None:
-    """Register the hook on ``transformer.rope`` (once)."""
+    """Register the hook on ``transformer.rope`` (once), as its innermost hook, whatever was registered before.
+
+    The hook computes the tables from ``rope``'s buffers without calling the forward it wraps, so every other hook on
+    ``rope`` must wrap it: leaf-level group offloading onloads those buffers in a hook of its own (and offloads them
+    after), whichever of ``enable_group_offload(...)`` and the first context came first. A diffusers ``HookRegistry``
+    only appends (the hook registered last runs outermost), so hooks registered before ours are taken off, outermost
+    first (each removal restores the forward it wrapped), and registered again around ours, in their order, as the
+    same objects (their state and groups kept; a group-offloading hook's re-initialisation offloads its group again,
+    which is a no-op for a group that is offloaded).
+    """
     registry = HookRegistry.check_if_exists_or_initialize(transformer.rope)
-    if registry.get_hook(ROPE_HOOK_NAME) is None:
-        registry.register_hook(TemporalRoPEOffsetHook(transformer), ROPE_HOOK_NAME)
+    order = list(registry._hook_order)
+    if order[:1] == [ROPE_HOOK_NAME]:
+        return
+    hook = registry.get_hook(ROPE_HOOK_NAME) or TemporalRoPEOffsetHook(transformer)
+    outer = [(name, registry.hooks[name]) for name in order if name != ROPE_HOOK_NAME]
+    for name in reversed(order):
+        registry.remove_hook(name, recurse=False)
+    registry.register_hook(hook, ROPE_HOOK_NAME)
+    for name, other in outer:
+        registry.register_hook(other, name)

@@ -195,19 +195,19 @@ def test_group_offloading(offload, order):
     if order == "after_first_context":
         forward(model, chunks[0], torch.zeros(2), text, start_frame=0)
     model.enable_group_offload(onload_device=CPU, offload_device=CPU, **offload)
-    if order == "before_first_context" and offload["offload_type"] == "leaf_level":
-        # Leaf-level offloading hooks transformer.rope too, and that hook must wrap the plugin's RoPE hook.
-        with pytest.raises(RuntimeError, match="before transformer.enable_group_offload"):
-            forward(model, chunks[0], torch.zeros(2), text, start_frame=0)
-        return
     _assert_close(_rollout(model, text, chunks), reference, atol=0)
 
 
-def test_leaf_level_offloading_to_disk_after_first_context(tmp_path):
+@pytest.mark.parametrize("order", ["before_first_context", "after_first_context"])
+def test_leaf_level_offloading_to_disk(order, tmp_path):
+    # On disk, an offloaded buffer is emptied: the RoPE tables must be computed inside the onloading hook.
     model = _installed()
     text, _ = conditioning(model)
     chunks = _chunks(model)
     reference = _rollout(model, text, chunks)
+    model = _installed()
+    if order == "after_first_context":
+        forward(model, chunks[0], torch.zeros(2), text, start_frame=0)
     model.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type="leaf_level",
                                offload_to_disk_path=str(tmp_path))
     _assert_close(_rollout(model, text, chunks), reference, atol=0)

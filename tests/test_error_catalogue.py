@@ -43,7 +43,6 @@ H = W = 4
 FRAME_TOKENS = 4
 T = torch.full((1,), 500.0)
 ZERO = torch.zeros(1)
-CPU = torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------- small states
@@ -261,16 +260,6 @@ def engine_moved_to_another_branch():
     swapped = {"main": engines["vace"], "vace": engines["main"]}
     return model, lambda: forward(model, _x(1), T, text, extra={"control_hidden_states": _control(1)},
                                   start_frame=1, cache_engines=swapped)
-
-
-@case(RuntimeError, "before transformer.enable_group_offload", "leaf-level group offloading")
-def leaf_offloading_before_the_hooks():
-    model, text = _t2v()
-    engines = model.kv_cache_engines
-    uninstall_causal_kv(model)  # hooks gone; install again on the same engines, offloading first
-    _installed(model, engines)
-    model.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type="leaf_level")
-    return model, lambda: forward(model, _x(1), T, text, start_frame=2)
 
 
 @case(RuntimeError, "is a copy (copy.deepcopy)", "still run the original's forward")

@@ -10,12 +10,15 @@ Every open scans the attention modules (diffusers gives no notice when one modul
 engine map is registered once, and again only when the scan finds a replaced module or processor.
 
 Hook order with diffusers' own hooks: a hook registered later wraps the ones registered before it. Ours are
-registered when the first context opens, so they wrap hooks applied earlier and are wrapped by hooks applied later.
-Cache hooks (``transformer.enable_cache(...)``) live on the blocks and attention modules, inside our transformer
-hook, so either order works; a ``store_kv=True`` forward is refused before any work while a hook that may skip blocks
-is registered. Group offloading works in either order at block level; at leaf level it also hooks
+registered when the first context opens, so the transformer hook wraps hooks applied earlier and is wrapped by hooks
+applied later; the RoPE hook is the exception, always innermost (below). Cache hooks
+(``transformer.enable_cache(...)``) live on the blocks and attention modules, inside our transformer hook, so either
+order works; a ``store_kv=True`` forward is refused before any work while a hook that may skip blocks is registered.
+Group offloading works in either order, at block and at leaf level. Leaf-level offloading also hooks
 ``transformer.rope`` to onload its buffers, and that hook must wrap ours (our RoPE hook computes the tables without
-calling the forward it wraps), so leaf-level offloading must be enabled after the first context opened.
+calling the forward it wraps): the RoPE hook is therefore always installed innermost on ``transformer.rope``, under
+hooks registered before it as well as after (:func:`~diffusers_causal_kv.positions.install_rope_hook` moves it there
+when the first context opens).
 """
 
 from __future__ import annotations
@@ -170,16 +173,6 @@ def _runs_own_hooks(module: torch.nn.Module, registry) -> bool:
 
 
 def _install_hooks(transformer: torch.nn.Module) -> None:
-    rope_hooks = getattr(getattr(transformer.rope, "_diffusers_hook", None), "hooks", {})
-    if ROPE_HOOK_NAME not in rope_hooks and rope_hooks:
-        # Our RoPE hook computes the tables itself, so registered outside another rope hook (leaf-level group
-        # offloading onloads rope's buffers in one) it would read offloaded buffers.
-        raise RuntimeError(
-            f"transformer.rope already has the diffusers hooks {sorted(rope_hooks)} (e.g. leaf-level group "
-            "offloading), which the causal KV RoPE hook cannot run inside of; open a first CausalContext (it "
-            "installs the plugin's hooks) before transformer.enable_group_offload(...), or use "
-            "offload_type='block_level'."
-        )
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     # Our hook validates and describes the forward the caller passed, so it wraps the input split and output gather
     # of context parallelism (diffusers' hooks named "cp_..."), also when enable_parallelism() came after it.
