@@ -44,7 +44,7 @@ from diffusers_causal_kv import (
     VanillaKVCacheEngine,
     causal_rollout,
 )
-from diffusers_causal_kv.rollout import shifted_sigmas
+from diffusers_causal_kv.session import shifted_sigmas
 from diffusers_causal_kv.testing import decode_latents
 
 ROOT = Path(__file__).resolve().parents[1]

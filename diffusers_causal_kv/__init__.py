@@ -57,11 +57,13 @@ from .modular import (
     causal_wan_i2v_blocks,
 )
 from .parallel import CFGAcrossRanks, causal_cp_plan
-from .pipeline import CausalWanPipeline
+from .pipelines import CausalWanPipeline
 from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
+from .refill import prefill, recache, reset_conditioning
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
-from .streaming import StreamingRollout, prefill, recache, reset_conditioning
+from .session import RolloutSession, Sampling
+from .streaming import StreamingRollout
 from .streaming_vae import StreamingVAEDecoder, StreamingVAEEncoder
 
 __all__ = [
@@ -77,6 +79,8 @@ __all__ = [
     "RolloutOutput",
     "RolloutPlanner",
     "StaticKVCacheEngine",
+    "RolloutSession",
+    "Sampling",
     "StreamingRollout",
     "StreamingVAEDecoder",
     "StreamingVAEEncoder",

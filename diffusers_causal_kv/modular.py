@@ -24,7 +24,7 @@ Wan2.2 (two experts): the denoise step of a Wan2.2 set runs ``transformer`` with
 choosing on the timestep passed to the transformer, as the stock ``Wan22LoopDenoiser`` does; every chunk is committed
 in both experts' caches (each with its own weights), both or neither. Without a ``transformer_2`` component the one
 ``transformer`` runs every step with ``guider``. The VACE set's encoder step downsamples the control mask causally
-(:func:`~diffusers_causal_kv.pipeline_stream.causal_vace_mask`, as ``CausalWanPipeline`` does), so a chunk's control
+(:func:`~diffusers_causal_kv.pipelines.inputs.causal_vace_mask`, as ``CausalWanPipeline`` does), so a chunk's control
 latents depend on its own frames and the ones before only.
 
 The forwards, chunk schedule, pre-flight checks and commits are :class:`~diffusers_causal_kv.RolloutPlanner`'s and the
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from types import MappingProxyType
 
 import torch
 from diffusers.configuration_utils import FrozenDict
@@ -64,11 +65,12 @@ from diffusers.modular_pipelines.wan.modular_blocks_wan_i2v import (
 from diffusers.modular_pipelines.wan.modular_blocks_wan_vace import Wan22VaceBlocks, Wan22VaceCoreDenoiseStep
 from diffusers.schedulers import UniPCMultistepScheduler
 
+from .masks import chunk_schedule
 from .model import topology
-from .pipeline import install_causal_processors
-from .pipeline_stream import causal_vace_mask
+from .pipelines.inputs import causal_vace_mask
+from .pipelines.loading import install_causal_processors
 from .planner import Chunk, RolloutPlanner, check_context_noise
-from .rollout import rollout_chunks, shifted_sigmas
+from .session import RolloutSession, Sampling, shifted_sigmas
 
 __all__ = [
     "GUIDER_CACHE_TAGS",
@@ -224,20 +226,17 @@ class CausalWanDenoiseStep(ModularPipelineBlocks):
             generator=block_state.generator, **expert_args, **self.per_frame_inputs(block_state),
         )
         # the tags the guiders use, not the planner's own guidance_scale rule
-        planner.prompts = _guided_prompts(planner, block_state, self._guider_fields, step_timesteps)
+        planner.prompts = MappingProxyType(_guided_prompts(planner, block_state, self._guider_fields, step_timesteps))
         check_context_noise(block_state.context_noise, block_state.context_noise_mode)
         for expert in planner.experts:
             install_causal_processors(expert.transformer)
         latents = block_state.latents
-        chunks = planner.plan(latents, block_state.chunk_frames)
-        planner.check(latents, chunks)
-        planner.clear()
-        loop = rollout_chunks(planner, chunks, lambda c: latents[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
-                              scheduler=scheduler, num_inference_steps=block_state.num_inference_steps,
-                              context_noise=block_state.context_noise,
-                              context_noise_mode=block_state.context_noise_mode)
-        outputs = [x for _, x, _ in loop]
-        block_state.latents = torch.cat(outputs, dim=2)
+        sampling = Sampling(None if sigmas is None else tuple(sigmas), scheduler, block_state.num_inference_steps,
+                            block_state.context_noise, block_state.context_noise_mode)
+        session = RolloutSession(planner, sampling, sizes=chunk_schedule(latents.shape[2], block_state.chunk_frames),
+                                 latent_shape=(*latents.shape[:2], *latents.shape[3:]), device=latents.device,
+                                 latents=latents)
+        block_state.latents = torch.cat([made.latents for made in session], dim=2)
         self.set_block_state(state, block_state)
         return components, state
 
@@ -555,6 +554,7 @@ def _sampling(components, block_state, device) -> tuple:
                 f"num_inference_steps={steps} samples with the pipeline's scheduler, but it has no scheduler "
                 "component; pipe.update_components(scheduler=...), or drop num_inference_steps for few-step timesteps."
             )
+        scheduler = copy.deepcopy(scheduler)  # the session's own: another run cannot reset it in between
         scheduler.set_timesteps(steps, device=device)
         return scheduler, None, list(scheduler.timesteps)
     sigmas = shifted_sigmas(DEFAULT_TIMESTEPS if block_state.timesteps is None else block_state.timesteps,

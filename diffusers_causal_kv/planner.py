@@ -11,8 +11,9 @@ forward per chunk and tag under its :class:`~diffusers_causal_kv.CausalContext`,
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -30,6 +31,7 @@ from .model import (
     resolve_engines,
     topology,
 )
+from .noise import NoiseSource
 from .sharding import row_split
 
 
@@ -95,7 +97,8 @@ class RolloutPlanner:
             frames, sliced per chunk; ``control_scale`` the per-VACE-layer scale.
         cache_engines: the engine map to use; default ``transformer.kv_cache_engines`` (two experts:
             ``{"transformer": map, "transformer_2": map}``).
-        generator: random generator of re-noising.
+        generator: random generator of re-noising: one ``torch.Generator``, one per sample (a list), or a
+            :class:`~diffusers_causal_kv.noise.NoiseSource`.
         attention_kwargs: passed to every forward (e.g. ``{"scale": 0.5}``, the LoRA scale).
         guidance_scale_2 / boundary_ratio: two experts: the low-noise expert's guidance scale (default
             ``guidance_scale``) and the boundary (default the pipeline's ``config.boundary_ratio``): a forward at
@@ -115,7 +118,8 @@ class RolloutPlanner:
                  guidance_scale: float = 1.0, cache_tag: str = "pos", image_embeds: torch.Tensor | None = None,
                  condition_latents: torch.Tensor | None = None, control_latents: torch.Tensor | None = None,
                  control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
-                 generator: torch.Generator | None = None, attention_kwargs: dict | None = None,
+                 generator: torch.Generator | list[torch.Generator] | NoiseSource | None = None,
+                 attention_kwargs: dict | None = None,
                  guidance_scale_2: float | None = None, boundary_ratio: float | None = None,
                  expand_timesteps: bool | None = None, first_frame_latents: torch.Tensor | None = None,
                  cfg_batch: bool = True) -> None:
@@ -139,11 +143,13 @@ class RolloutPlanner:
         self.use_cfg = any(e.guidance_scale != 1.0 for e in self.experts)
         if self.use_cfg and negative_prompt_embeds is None:
             raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
-        self.prompts = {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
+        # Read-only: a prompt switch makes another planner (with_prompts), so no other holder sees a change.
+        self.prompts: Mapping[str, torch.Tensor] = MappingProxyType(
+            {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})})
         self.cache_tag, self.guidance_scale, self.image_embeds = cache_tag, guidance_scale, image_embeds
         self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
         # self.cache_engines stays the first expert's map (set above), not the two-expert map given
-        self.control_scale, self.generator = control_scale, generator
+        self.control_scale, self.noise = control_scale, NoiseSource(generator)
         self.attention_kwargs = attention_kwargs
         self.cfg_batch = cfg_batch
         self._joined_prompts: tuple = ((), None)  # (the prompts, with versions, and their concatenation)
@@ -154,6 +160,28 @@ class RolloutPlanner:
         switch applies to both."""
         planner = copy.copy(self)
         planner.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
+        return planner
+
+    def with_prompts(self, **prompts: torch.Tensor) -> RolloutPlanner:
+        """This planner with other conditioning for the given tags (a prompt switch); ``self`` is unchanged."""
+        unknown = sorted(set(prompts) - set(self.prompts))
+        if unknown:
+            raise ValueError(f"with_prompts: tags {unknown} are not this rollout's tags {sorted(self.prompts)}.")
+        planner = copy.copy(self)
+        planner.prompts = MappingProxyType({**self.prompts, **prompts})
+        planner._joined_prompts = ((), None)
+        return planner
+
+    def for_tag(self, cache_tag: str, prompt_embeds: torch.Tensor, engine_maps: list[dict] | None = None
+                ) -> RolloutPlanner:
+        """This planner committing ``cache_tag`` alone under ``prompt_embeds`` (no guidance), into ``engine_maps``
+        (one per expert; default the planner's): how one tag is re-cached with the rollout's other inputs."""
+        planner = copy.copy(self)
+        planner.prompts = MappingProxyType({cache_tag: prompt_embeds})
+        planner.cache_tag, planner.use_cfg, planner._joined_prompts = cache_tag, False, ((), None)
+        if engine_maps is not None:
+            planner.experts = [Expert(e.transformer, m, e.guidance_scale) for e, m in zip(self.experts, engine_maps)]
+            planner.cache_engines = planner.experts[0].cache_engines
         return planner
 
     @property
@@ -205,10 +233,20 @@ class RolloutPlanner:
         for expert in self.experts:
             for tag in self.prompts:
                 check_forward_inputs(expert.transformer, self.inputs(latents[:, :, :first.size], 0.0, tag, first))
-            # Completes and validates the engine map (every branch) as the first forward would, before any clearing.
+        self.check_schedule(first.frame, [c.size for c in chunks])
+
+    def prepare(self) -> None:
+        """Complete and validate every expert's engine map (every branch) as the first forward would."""
+        for expert in self.experts:
             prepare_transformer(expert.transformer, expert.cache_engines)
-            check_rollout(expert.transformer, resolve_engines(expert.transformer, expert.cache_engines), first.frame,
-                          [c.size for c in chunks])
+
+    def check_schedule(self, first_frame: int, sizes: list[int]) -> None:
+        """Fail before any work if an engine cannot hold chunks of ``sizes`` from ``first_frame`` or their positions
+        pass the RoPE table."""
+        self.prepare()  # before any clearing
+        for expert in self.experts:
+            check_rollout(expert.transformer, resolve_engines(expert.transformer, expert.cache_engines), first_frame,
+                          sizes)
 
     def clear(self) -> None:
         """Clear the engines the rollout uses (every expert's)."""
@@ -324,8 +362,7 @@ class RolloutPlanner:
 
     def renoise(self, x0: torch.Tensor, sigma: float) -> torch.Tensor:
         """``x0`` noised to level ``sigma`` with fresh noise (the flow-matching forward process)."""
-        noise = torch.randn(x0.shape, generator=self.generator, device=x0.device, dtype=x0.dtype)
-        return (1 - sigma) * x0 + sigma * noise
+        return (1 - sigma) * x0 + sigma * self.noise.like(x0)
 
     def commit(self, x: torch.Tensor, chunk: Chunk, context_noise: float = 0.0, mode: str = "label") -> None:
         """Commit a clean chunk on every tag (all or none) with the timestep label ``context_noise`` (0..1000).

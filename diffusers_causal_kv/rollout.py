@@ -1,5 +1,6 @@
-"""The causal sampling loops, built on the :class:`~diffusers_causal_kv.planner.RolloutPlanner`: inference
-(Self-Forcing / CausVid) and the self-forcing training rollout.
+"""The causal sampling loops, each a :class:`~diffusers_causal_kv.session.RolloutSession` over a
+:class:`~diffusers_causal_kv.planner.RolloutPlanner`: inference (Self-Forcing / CausVid) and the self-forcing
+training rollout.
 
 For each chunk of latent frames: denoise it against the cached prefix (few-step sampling over a timestep list, or
 any diffusers flow-matching scheduler, reset for every chunk), then run one commit pass on the clean chunk
@@ -13,15 +14,16 @@ without gradients, and the returned latents carry the autograd graph for a DMD-s
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .planner import Chunk, RolloutPlanner, check_context_noise
+from .masks import chunk_schedule
+from .planner import RolloutPlanner
+from .session import RolloutSession, Sampling
 
 
 @dataclass
@@ -36,62 +38,6 @@ class RolloutOutput:
     """Wall-clock seconds per chunk (denoising and commit)."""
     exit_steps: list[int] | None = None
     """:func:`self_forcing_rollout`: per chunk, the index in ``timesteps`` of the step that kept gradients."""
-
-
-def shifted_sigmas(timesteps: Sequence[float], shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """Flow-matching noise levels of a few-step timestep list, warped by the timestep ``shift`` as Self-Forcing does
-    (``sigma = shift * s / (1 + (shift - 1) * s)`` with ``s = t / num_train_timesteps``)."""
-    if len(timesteps) == 0:
-        raise ValueError("timesteps is empty; pass at least one timestep per chunk, e.g. (1000, 750, 500, 250).")
-    s = torch.as_tensor(timesteps, dtype=torch.float64) / num_train_timesteps
-    if (s <= 0).any() or (s > 1).any():
-        raise ValueError(f"timesteps must lie in (0, {num_train_timesteps}], got {list(timesteps)}.")
-    return (shift * s / (1 + (shift - 1) * s)).float()
-
-
-def denoise_chunk(planner: RolloutPlanner, x: torch.Tensor, chunk: Chunk, sigmas: list[float] | None,
-                  scheduler=None, num_inference_steps: int | None = None,
-                  on_step: Callable[[int, float, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """The clean chunk sampled from noise ``x``: few-step (predict x0 at each noise level of ``sigmas``, re-noise to
-    the next) or, with ``scheduler``, multi-step with a diffusers flow-matching scheduler reset for the chunk.
-
-    ``on_step(step, t, x)``, when given, runs after every denoising step with the step's index in the chunk, its
-    timestep and the chunk's latents after it (the re-noised latents, or the clean chunk after the last step); what
-    it returns replaces them."""
-    if scheduler is None:
-        for i, sigma in enumerate(sigmas):
-            x0 = planner.predict_x0(x, sigma, chunk)
-            x = planner.renoise(x0, sigmas[i + 1]) if i + 1 < len(sigmas) else x0
-            if on_step is not None:
-                x = on_step(i, sigma * 1000, x)
-        return x
-    scheduler.set_timesteps(num_inference_steps, device=x.device)
-    for i, t in enumerate(scheduler.timesteps):
-        x = scheduler.step(planner.flow(x, t, chunk), t, x, return_dict=False)[0]
-        if on_step is not None:
-            x = on_step(i, float(t), x)
-    return x
-
-
-def rollout_chunks(planner: RolloutPlanner, chunks: Sequence[Chunk], noise_for: Callable[[Chunk], torch.Tensor], *,
-                   sigmas: list[float] | None, scheduler=None, num_inference_steps: int | None = None,
-                   context_noise: float = 0.0, context_noise_mode: str = "label",
-                   on_step: Callable[[Chunk, int, float, torch.Tensor], torch.Tensor] | None = None,
-                   ) -> Iterator[tuple[Chunk, torch.Tensor, float]]:
-    """The inference loop, one chunk at a time: for each chunk, ``noise_for(chunk)`` gives its initial noise, the
-    chunk is denoised against the cache (:func:`denoise_chunk`) and committed on every tag; yields
-    ``(chunk, clean latents, seconds)`` once the chunk is committed. ``causal_rollout``, ``CausalWanPipeline`` and
-    streams drive it, so they draw random numbers in the same order: the chunk's noise (when ``noise_for`` draws
-    it), then one draw per re-noising between few-step steps, then the commit's (``context_noise_mode="renoise"``
-    with ``context_noise > 0`` only)."""
-    for chunk in chunks:
-        began = time.perf_counter()
-        step = None if on_step is None else functools.partial(on_step, chunk)
-        x = denoise_chunk(planner, noise_for(chunk), chunk, sigmas, scheduler, num_inference_steps, step)
-        x = planner.with_first_frame(x, chunk)  # TI2V image-to-video: frame 0 is the image
-        planner.commit(x, chunk, context_noise, context_noise_mode)
-        _synchronize(x)
-        yield chunk, x, time.perf_counter() - began
 
 
 @torch.no_grad()
@@ -162,23 +108,13 @@ def causal_rollout(
                              attention_kwargs=attention_kwargs, guidance_scale_2=guidance_scale_2,
                              boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps,
                              first_frame_latents=first_frame_latents, cfg_batch=cfg_batch)
-    if scheduler is not None and not num_inference_steps:
-        raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
-    sigmas = shifted_sigmas(timesteps, shift).tolist() if scheduler is None else None  # validated before the clear
-    check_context_noise(context_noise, context_noise_mode)
-    chunks = planner.plan(noise, chunk_frames, planner.next_frame() if continue_cache else 0)
-    planner.check(noise, chunks)
-    if not continue_cache:
-        planner.clear()
-    loop = rollout_chunks(planner, chunks, lambda c: noise[:, :, c.offset:c.offset + c.size], sigmas=sigmas,
-                          scheduler=scheduler, num_inference_steps=num_inference_steps, context_noise=context_noise,
-                          context_noise_mode=context_noise_mode)
-    outputs, seconds = [], []
-    for _, x, took in tqdm(loop, total=len(chunks), desc="causal rollout", unit="chunk", disable=not progress):
-        outputs.append(x)
-        seconds.append(took)
-    return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
-                         chunk_seconds=seconds)
+    sampling = Sampling.create(timesteps, shift, context_noise, context_noise_mode, scheduler, num_inference_steps)
+    sizes = chunk_schedule(noise.shape[2], chunk_frames)
+    session = RolloutSession(planner, sampling, sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device,
+                             latents=noise, continue_cache=continue_cache)
+    made = list(tqdm(session, total=len(sizes), desc="causal rollout", unit="chunk", disable=not progress))
+    return RolloutOutput(latents=torch.cat([m.latents for m in made], dim=2), chunk_sizes=sizes,
+                         chunk_seconds=[m.seconds for m in made])
 
 
 def self_forcing_rollout(
@@ -228,12 +164,11 @@ def self_forcing_rollout(
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
                              condition_latents=condition_latents, control_latents=control_latents,
                              control_scale=control_scale, cache_engines=cache_engines, generator=generator)
-    chunks = planner.plan(noise, chunk_frames)
-    exits = _exit_steps(exit_step, len(timesteps), len(chunks), generator)
-    sigmas = shifted_sigmas(timesteps, shift).tolist()
-    check_context_noise(context_noise, context_noise_mode)
-    planner.check(noise, chunks)
-    planner.clear()
+    sizes = chunk_schedule(noise.shape[2], chunk_frames)
+    exits = _exit_steps(exit_step, len(timesteps), len(sizes), generator)
+    sigmas = Sampling.create(timesteps, shift, context_noise, context_noise_mode).sigmas
+    RolloutSession(planner, Sampling(sigmas), sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device)
+    chunks = planner.plan(noise, sizes)  # checked and cleared by the session; its gradient loop is this one
     outputs, seconds = [], []
     for chunk, exit_at in zip(tqdm(chunks, desc="self-forcing rollout", unit="chunk", disable=not progress), exits):
         began = time.perf_counter()
@@ -263,7 +198,6 @@ def _exit_steps(exit_step, num_steps: int, num_chunks: int, generator) -> list[i
     return exits
 
 
-def _synchronize(x: torch.Tensor) -> None:
-    """Wait for the device, so that per-chunk seconds measure the chunk's work."""
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)
+def _latent_shape(latents: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(batch, channels, height, width)`` of ``[batch, channels, frames, height, width]`` latents."""
+    return (*latents.shape[:2], *latents.shape[3:])

@@ -44,11 +44,14 @@ def _assert_same_engines(batched, separate):
         assert batched.next_frame(tag) == separate.next_frame(tag)
         if isinstance(separate, RollingKVCacheEngine):
             assert batched.held_frames(tag) == separate.held_frames(tag)
+        # fp8 storage: K/V that differ in the last fp32 bit (a batched matmul) round to neighbouring e4m3 codes when
+        # they sit on a rounding boundary, one step (2**-3 of the value's binade) apart; measured on a CPU: 1 of 768.
+        rtol = 2.0 ** -3 if batched.kv_dtype is not None else 0.0
         for block in range(separate.num_blocks):
             for a, b in zip(batched.get_self_prefix(block, tag), separate.get_self_prefix(block, tag)):
-                torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+                torch.testing.assert_close(a, b, rtol=rtol, atol=ATOL)
             for a, b in zip(batched.read_cross(block, tag).tensors(), separate.read_cross(block, tag).tensors()):
-                torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+                torch.testing.assert_close(a, b, rtol=rtol, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))

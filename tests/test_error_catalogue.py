@@ -25,6 +25,7 @@ from diffusers_causal_kv import (
     CFGAcrossRanks,
     KVCacheEngine,
     RollingKVCacheEngine,
+    RolloutPlanner,
     StaticKVCacheEngine,
     StreamingRollout,
     block_causal_mask,
@@ -932,7 +933,7 @@ def streaming_rollout_recache_on_vace():
     return model, lambda: stream.switch_prompt(text)
 
 
-@case(RuntimeError, "did not commit all of them", r"holds frames \[0\.\.1\]")
+@case(RuntimeError, "was written by another caller", "Start a new stream")
 def streaming_after_a_commit_behind_its_back():
     model = _installed(tiny_wan(), {"main": RollingKVCacheEngine(3)})
     text, _ = conditioning(model, batch=1)
@@ -956,7 +957,7 @@ def reset_conditioning_of_an_empty_tag():
     return model, lambda: reset_conditioning(model, "neg")
 
 
-@case(ValueError, "switch_prompt mode must be")
+@case(ValueError, "prompt switch mode must be")
 def streaming_switch_prompt_unknown_mode():
     model = _installed(tiny_wan(), {"main": RollingKVCacheEngine(3)})
     text, _ = conditioning(model, batch=1)
@@ -1059,9 +1060,32 @@ def pipeline_reference_images():
     return _pipeline(reference_images=[object()])
 
 
-@case(ValueError, "a list of generators is not supported")
-def pipeline_generator_list():
-    return _pipeline(generator=[torch.Generator()])
+@case(ValueError, "generator is a list of", "a list of 2 generators but the batch has 1")
+def pipeline_generator_list_of_another_length():
+    return _pipeline(generator=[torch.Generator(), torch.Generator()])
+
+
+@case(TypeError, "generator must be a torch.Generator or a", "got int")
+def pipeline_generator_of_another_type():
+    return _pipeline(generator=3)
+
+
+@case(ValueError, "but the pipeline's causal config describes", "transformer.kv_cache_engines = None")
+def pipeline_own_engines_unlike_the_config():
+    from diffusers_causal_kv import CausalConfig
+
+    pipe, args = _called_pipeline()  # its own engines, holding the call's frames
+    pipe.transformer.kv_cache_engines = {"main": KVCacheEngine()}
+    pipe(**args)
+    pipe.causal_config = CausalConfig(chunk_frames=1, window_frames=3, sink_frames=1)
+    return pipe.transformer, lambda: pipe(**args)
+
+
+@case(ValueError, "with_prompts: tags", r"\['neg'\]")
+def planner_with_prompts_of_another_tag():
+    model, text = _t2v()
+    planner = RolloutPlanner(model, text)
+    return model, lambda: planner.with_prompts(neg=text)
 
 
 @case(ValueError, "needs a prompt or prompt_embeds")
@@ -1123,6 +1147,20 @@ def stream_resume_with_a_partial_group():
     next(stream)
     stream.close()
     return model, lambda: pipe.stream(**args, num_frames=5, resume=stream)
+
+
+@case(ValueError, "continues with its own noise")
+def stream_resume_with_another_generator():
+    model, start, pipe, args = _stream_call(num_frames=5)
+    stream = start()
+    next(stream)
+    stream.close()
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, generator=torch.Generator())
+
+
+@case(ValueError, "are not chunks of this stream", r"\[7\]")
+def stream_schedule_past_its_end():
+    return _stream_call(num_frames=5, prompt_schedule={7: "a cube"})[:2]
 
 
 @case(ValueError, "prompt switch mode must be")

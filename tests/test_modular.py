@@ -24,7 +24,7 @@ from diffusers_causal_kv.modular import (
     causal_wan_blocks,
     causal_wan_i2v_blocks,
 )
-from diffusers_causal_kv.rollout import shifted_sigmas
+from diffusers_causal_kv.session import shifted_sigmas
 from diffusers_causal_kv.testing import tiny_vae
 
 FRAMES, H, W = 5, 4, 4  # latent frames and size; chunks of 2 give [3, 2] (the first chunk absorbs the remainder)

@@ -74,7 +74,7 @@ def test_latent_stream_equals_the_pipeline_latents_and_uses_relative_rolling_eng
     chunks = list(stream)
     assert chunks[0].frames is None
     assert torch.equal(torch.cat([c.latents for c in chunks], dim=2), expected)
-    engine = stream.rollout.engine
+    engine = stream.session.engine
     assert isinstance(engine, RollingKVCacheEngine) and engine.reindexes_positions
 
 
@@ -84,7 +84,7 @@ def test_unbounded_stream_runs_past_the_rope_table_and_closes_consistently():
     for chunk in stream:
         if chunk.index == 9:  # 40 latent frames: past the tiny model's 32-position RoPE table
             stream.close()
-    assert chunk.latent_frames == range(36, 40) and stream.rollout.next_frame == 40
+    assert chunk.latent_frames == range(36, 40) and stream.session.next_frame == 40
     assert list(stream) == []
 
 
@@ -96,7 +96,7 @@ def test_closing_after_k_chunks_leaves_k_chunks_and_resume_continues_them():
     first = pipe.stream(**_args(), num_frames=FRAMES, generator=generator, cache_engines=_engines(pipe))
     head = [next(first), next(first)]
     first.close()
-    assert first.rollout.next_frame == 4 and first.rollout.engine.num_frames("pos") <= 4
+    assert first.session.next_frame == 4 and first.session.engine.num_frames("pos") <= 4
     with pytest.raises(ValueError, match="resume= takes a closed stream"):
         pipe.stream(**_args(), resume=pipe.stream(**_args()))
     rest = list(pipe.stream(**_args(), num_frames=8, generator=generator, resume=first))
@@ -116,8 +116,8 @@ def test_prompt_schedule_switches_like_the_streaming_rollout(mode):
     latents = torch.cat([c.latents for c in stream], dim=2)
 
     with torch.no_grad():  # as in the stream: the text encoder's kernels differ in the last bit with autograd on
-        old, _ = pipe._prompt_embeds("a red ball", None, None, None, SEQ, torch.device("cpu"))
-        new, _ = pipe._prompt_embeds("a blue cube", None, None, None, SEQ, torch.device("cpu"))
+        old, _ = pipe.encode_prompt("a red ball", do_classifier_free_guidance=False, max_sequence_length=SEQ)
+        new, _ = pipe.encode_prompt("a blue cube", do_classifier_free_guidance=False, max_sequence_length=SEQ)
     generator = torch.Generator().manual_seed(3)
     rollout = StreamingRollout(pipe.transformer, old, chunk_frames=2, timesteps=TIMESTEPS,
                                cache_engines=_engines(pipe), generator=generator)
@@ -167,7 +167,7 @@ def test_video_to_video_strength_one_is_text_to_video_and_lower_strength_noises_
     finally:
         hook.remove()
     from diffusers_causal_kv import StreamingVAEEncoder
-    from diffusers_causal_kv.rollout import shifted_sigmas
+    from diffusers_causal_kv.session import shifted_sigmas
 
     pixels = pipe.video_processor.preprocess_video(_frames(6)[:5], H, W)
     z = StreamingVAEEncoder(pipe.vae).encode(pixels)
@@ -194,7 +194,7 @@ def test_long_stream_with_two_prompt_switches_keeps_memory_flat():
                          sink_frames=1, prompt_schedule={60: "a blue cube", 130: "a green cone"})
     memory = []
     for chunk in stream:
-        memory.append((stream.rollout.memory_bytes(), stream._decoder.memory_bytes()))
+        memory.append((stream.session.memory_bytes(), stream._decoder.memory_bytes()))
         if chunk.index == 199:
             stream.close()
     assert len(memory) == 200
@@ -210,9 +210,9 @@ def test_overlap_gives_the_same_frames_with_one_chunk_of_lookahead():
     stream = pipe.stream(**_args(), num_frames=FRAMES, generator=torch.Generator().manual_seed(7),
                          cache_engines=_engines(pipe), overlap=True)
     first = next(stream)
-    assert stream.rollout.next_frame == 4  # chunk 1 was made while chunk 0 was decoded
+    assert stream.session.next_frame == 4  # chunk 1 was made while chunk 0 was decoded
     stream.close()
-    rest = list(pipe.stream(**_args(), num_frames=8, generator=stream._generator, resume=stream, overlap=True))
+    rest = list(pipe.stream(**_args(), num_frames=8, resume=stream, overlap=True))
     assert [c.index for c in [first, *rest]] == [0, 1, 2]
     np.testing.assert_array_equal(np.concatenate([c.frames for c in [first, *rest]], axis=1),
                                   np.concatenate([c.frames for c in plain], axis=1))

@@ -90,5 +90,5 @@ def test_streaming_switch_prompt_modes(mode):
     assert same_frames == (mode == "cross")  # re-caching recomputes the held frames under the new prompt
     out = stream.generate(_x(2, 3))
     assert out.latents.shape[2] == 2 and engine.next_frame("pos") == 6
-    with pytest.raises(ValueError, match="switch_prompt mode must be"):
+    with pytest.raises(ValueError, match="prompt switch mode must be"):
         stream.switch_prompt(old, mode="swap")

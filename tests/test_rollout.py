@@ -8,7 +8,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from helpers import block_causal_mask, conditioning, masked_full_forward, tiny_wan
 
 from diffusers_causal_kv import CausalWanAttnProcessor, causal_rollout, chunk_schedule
-from diffusers_causal_kv.rollout import shifted_sigmas
+from diffusers_causal_kv.session import shifted_sigmas
 
 FRAME_TOKENS = 4
 

@@ -6,7 +6,8 @@ import torch
 from helpers import cache_snapshot, conditioning, forward, masked_full_forward, tiny_wan, window_mask
 
 from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, VanillaKVCacheEngine, causal_rollout
-from diffusers_causal_kv.streaming import StreamingRollout, prefill, recache, recache_schedule
+from diffusers_causal_kv.refill import prefill, recache, recache_schedule
+from diffusers_causal_kv.streaming import StreamingRollout
 
 H = W = 4
 FRAME_TOKENS = 4

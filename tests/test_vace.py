@@ -179,7 +179,7 @@ def test_vace_rollout_slices_control_and_runs_cfg():
     # sliced to each chunk.
     clear_caches(model)
     g = torch.Generator().manual_seed(1)
-    from diffusers_causal_kv.rollout import shifted_sigmas
+    from diffusers_causal_kv.session import shifted_sigmas
 
     sigmas = shifted_sigmas([1000, 500], 5.0).tolist()
     out = []

@@ -26,7 +26,7 @@ from diffusers_causal_kv import (
     get_current_context,
     prefill,
 )
-from diffusers_causal_kv.rollout import shifted_sigmas
+from diffusers_causal_kv.session import shifted_sigmas
 from diffusers_causal_kv.testing import tiny_conditioning, tiny_pipeline_components, tiny_wan, tiny_wan22_vae
 
 ATOL = 1e-5
@@ -336,8 +336,8 @@ def test_streamed_frames_equal_the_pipeline_call(kind):
     chunks = list(stream)
     assert [len(c.latent_frames) for c in chunks] == [2, 2, 2]
     np.testing.assert_array_equal(np.concatenate([c.frames for c in chunks], axis=1), expected)
-    memory = pipe.cache_memory_bytes(stream.rollout.cache_engines)
-    assert sum(memory.values()) + sum(t.nbytes for _, t in stream.rollout.window()) == stream.rollout.memory_bytes()
+    memory = pipe.cache_memory_bytes(engines)
+    assert sum(memory.values()) + sum(t.nbytes for _, t in stream.session.window()) == stream.session.memory_bytes()
     assert list(memory) == (["transformer", "transformer_2"] if kind == "a14b" else ["transformer"])
 
 

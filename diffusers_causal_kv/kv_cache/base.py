@@ -144,6 +144,9 @@ class BaseKVCacheEngine:
     #: Whether keys are cached before RoPE and the prefix is numbered ``0, 1, ...`` at read time (then
     #: ``rope_max_seq_len`` does not bound the length of a rollout).
     reindexes_positions = False
+    #: Whether the engine can continue a tag at a later frame (``skip_to``) and take over a tag rebuilt in an
+    #: :meth:`empty_like` engine (``adopt_tag``): what re-caching a window and prefilling after a gap need.
+    supports_refill = False
 
     def __init__(self, kv_dtype: torch.dtype | None = None) -> None:
         self._storage = kv_storage(kv_dtype)
@@ -152,6 +155,8 @@ class BaseKVCacheEngine:
         self._self_kv: dict[int, dict[str, Any]] = {}
         self._cross_kv: dict[int, dict[str, CrossEntry]] = {}
         self._tags: dict[str, TagInfo] = {}
+        self._writes = 0
+        self._write_stamps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ registration
     def register_module(self, attn: torch.nn.Module, block_idx: int) -> None:
@@ -183,6 +188,21 @@ class BaseKVCacheEngine:
         return type(self)(kv_dtype=self.kv_dtype)
 
     # ------------------------------------------------------------------ state queries
+    def write_stamp(self, cache_tag: str) -> int:
+        """A number that changes whenever ``cache_tag`` is written, cropped, cleared, skipped or re-conditioned (0
+        before its first write). A stream compares it with the stamp after its own last write to find writes by
+        another caller, which a frame count cannot tell (another rollout of the same length)."""
+        return self._write_stamps.get(cache_tag, 0)
+
+    def _stamp(self, cache_tag: str) -> None:
+        self._writes += 1
+        self._write_stamps[cache_tag] = self._writes
+
+    def held_frames(self, cache_tag: str) -> list[range]:
+        """The absolute frame indices the tag holds, in order (an append-only engine holds every committed frame)."""
+        frames = self.num_frames(cache_tag)
+        return [range(frames)] if frames else []
+
     def tags(self) -> list[str]:
         """The tags holding entries."""
         return list(self._tags)
@@ -344,6 +364,7 @@ class BaseKVCacheEngine:
         for block_idx, (key, value) in staged.self_kv.items():
             self._write_encoded(block_idx, tag, key, value)
         self._tags[tag].committed_frames += info.chunk_frames
+        self._stamp(tag)
         if staged.cross_kv and not self.is_cross_init(tag):
             # Copied once per tag: the staged tensors may be outputs of compiled blocks whose memory CUDA graphs
             # reuse on their next replay.
@@ -371,6 +392,7 @@ class BaseKVCacheEngine:
         for entries in self._cross_kv.values():
             entries.pop(cache_tag, None)
         self._tags[cache_tag].conditioning = None
+        self._stamp(cache_tag)
 
     # ------------------------------------------------------------------ going back
     def crop(self, num_frames: int, cache_tag: str | None = None) -> None:
@@ -392,6 +414,7 @@ class BaseKVCacheEngine:
                 for entries in self._self_kv.values():
                     self._crop_entry(entries[tag], keep[tag])
                 self._tags[tag].committed_frames = keep[tag]
+                self._stamp(tag)
 
     def check_rope_table(self, positions: int) -> None:
         """Raise if this engine numbers positions past a RoPE table of ``positions`` rows (only an engine that
@@ -408,6 +431,7 @@ class BaseKVCacheEngine:
 
     def _drop_tag(self, cache_tag: str) -> None:
         self._tags.pop(cache_tag, None)
+        self._stamp(cache_tag)
         # Emptied blocks go too, so that a cleared engine is laid out like a new one (compiled graphs guard on it:
         # a stream restarted after clear() then reuses the graphs of the first one).
         for entries_of in (self._self_kv, self._cross_kv):

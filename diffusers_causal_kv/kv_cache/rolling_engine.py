@@ -101,6 +101,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             :mod:`~diffusers_causal_kv.kv_cache.quantized`).
     """
 
+    supports_refill = True
+
     def __init__(self, window_frames: int, sink_frames: int = 0, positions: str = "absolute",
                  kv_dtype: torch.dtype | None = None) -> None:
         for name, size in (("window_frames", window_frames), ("sink_frames", sink_frames)):
@@ -239,6 +241,8 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
         for mine, theirs in ((self._tags, other._tags), (self._resume_at, other._resume_at)):
             if cache_tag in theirs:
                 mine[cache_tag] = theirs.pop(cache_tag)
+        self._stamp(cache_tag)
+        other._stamp(cache_tag)
 
     def skip_to(self, frame: int, cache_tag: str) -> None:
         """Continue ``cache_tag`` at absolute frame ``frame`` without committing the frames before it: they count as
@@ -252,6 +256,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             )
         if frame == cached:
             return
+        self._stamp(cache_tag)
         # Also for a tag cropped to fewer frames than its sink: the sink slots would be read as if committed.
         if cached < self.sink_frames:
             raise ValueError(
@@ -288,6 +293,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
                 self._resume_at.pop(cache_tag, None)
                 if resume is not None:
                     self._resume_at[cache_tag] = resume
+                self._stamp(cache_tag)
             raise
 
     def prepare_commit(self, info: PassInfo, staged: StagedChunk) -> bool:
