@@ -56,7 +56,7 @@ def _flow_scheduler(kind):
 
 def test_block_sets_replace_the_core_denoise_step_only():
     stock, causal = WanBlocks(), causal_wan_blocks()
-    assert type(causal) is WanBlocks and list(causal.sub_blocks) == list(stock.sub_blocks)
+    assert isinstance(causal, WanBlocks) and list(causal.sub_blocks) == list(stock.sub_blocks)
     assert isinstance(causal.sub_blocks["denoise"], CausalWanCoreDenoiseStep)
     for name in ("text_encoder", "decode"):
         assert type(causal.sub_blocks[name]) is type(stock.sub_blocks[name])

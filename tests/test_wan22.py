@@ -375,7 +375,7 @@ def test_wan22_block_sets_replace_the_core_denoise_step_and_the_vace_mask_encode
             Wan22VaceBlocks: (causal_wan22_vace_blocks(), CausalWan22VaceCoreDenoiseStep)}
     for stock_class, (causal, core) in made.items():
         stock = stock_class()
-        assert type(causal) is stock_class and list(causal.sub_blocks) == list(stock.sub_blocks)
+        assert isinstance(causal, stock_class) and list(causal.sub_blocks) == list(stock.sub_blocks)
         assert isinstance(causal.sub_blocks["denoise"], core)
         assert "set_timesteps" not in causal.sub_blocks["denoise"].sub_blocks
         for name, block in causal.sub_blocks.items():
