@@ -129,3 +129,8 @@ class CausalConfig:
             if os.path.isfile(os.path.join(directory, CAUSAL_CONFIG_NAME)):
                 return cls.load(directory)
         return None
+
+
+#: The defaults of every sampling argument of the package's loops (``causal_rollout``, ``StreamingRollout``, the
+#: Modular denoise step): one place, this class's.
+DEFAULTS = CausalConfig()

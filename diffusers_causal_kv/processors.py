@@ -27,6 +27,9 @@ replicated, so each rank attends its own queries alone).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 from diffusers.models.attention_dispatch import (
     AttentionBackendName,
@@ -40,13 +43,44 @@ from diffusers.models.transformers.transformer_wan import (
 )
 
 from .ambient import running_pass
-from .kv_cache import CrossEntry
+from .kv_cache import BaseKVCacheEngine, CrossEntry, PassInfo
+from .masks import CausalMask
 from .rotary import ChunkRotary, apply_rotary_emb
 
 # The stock Wan processor hardcodes the text encoder's context length when splitting I2V image tokens off.
 WAN_TEXT_CONTEXT_LENGTH = 512
 # Backends that take a FlexAttention BlockMask; every other backend gets the dense boolean mask.
 _FLEX = {AttentionBackendName.FLEX}
+
+
+class AttentionPass(Protocol):
+    """What the processors read of the forward pass they serve (the model layer's ``ForwardPass`` is one); nothing
+    else of it."""
+
+    info: PassInfo | None
+    """Cache mode: what the engines know of the pass (``None`` in mask modes and for a batch of tags)."""
+    mask: CausalMask | None
+    """Mask modes (training): the attention mask of the whole sequence."""
+    temporal_rope: tuple[torch.Tensor, torch.Tensor]
+    """The model's temporal RoPE rows, for engines that number window frames at read time."""
+    tag_passes: Sequence[AttentionPass] | None
+    """A batch of tags: the pass of each tag's rows, in batch order."""
+
+    @property
+    def stages(self) -> bool:
+        """Whether to stage this pass's K/V for its commit."""
+
+    def engine_for(self, attn: torch.nn.Module) -> BaseKVCacheEngine:
+        """The engine that owns ``attn``."""
+
+    def memo_for(self, engine: BaseKVCacheEngine) -> dict:
+        """The prefixes a grad-enabled pass read from ``engine`` (for a checkpoint recomputation)."""
+
+    def stage_self(self, engine: BaseKVCacheEngine, block_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep a block's self K/V for the commit."""
+
+    def stage_cross(self, engine: BaseKVCacheEngine, block_idx: int, entry: CrossEntry) -> None:
+        """Keep a block's cross K/V for the tag's first commit."""
 
 
 class CausalWanAttnProcessor:
@@ -63,7 +97,7 @@ class CausalWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        p = running_pass()
+        p: AttentionPass | None = running_pass()
         if p is None:
             # Run the stock processor's code with this processor's backend settings: bitwise stock outputs.
             return WanAttnProcessor.__call__(
@@ -84,7 +118,7 @@ class CausalWanAttnProcessor:
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
-    def _attend_cached(self, attn, p, query, key, value, rotary_emb) -> torch.Tensor:
+    def _attend_cached(self, attn, p: AttentionPass, query, key, value, rotary_emb) -> torch.Tensor:
         engine = p.engine_for(attn)
         block_idx = engine.block_index(attn)
         rotary = None if rotary_emb is None else ChunkRotary(*rotary_emb, *p.temporal_rope)
@@ -96,7 +130,7 @@ class CausalWanAttnProcessor:
         return self._attend(query if rotary is None else rotary.apply(query), kv.key, kv.value,
                             parallel_config=self._parallel_config)
 
-    def _context_kv(self, attn, p, encoder_hidden_states) -> CrossEntry:
+    def _context_kv(self, attn, p: AttentionPass, encoder_hidden_states) -> CrossEntry:
         """The conditioning's K/V: the cached entry in no-grad cached passes once filled, else projected (and
         staged by the first ``store_kv=True`` forward of a tag). Mask modes always project."""
         if p.mask is not None:
@@ -132,7 +166,7 @@ class CausalWanAttnProcessor:
         return out.flatten(2, 3).type_as(query)
 
 
-def _by_tag(p, attend, *tensors: torch.Tensor) -> torch.Tensor:
+def _by_tag(p: AttentionPass, attend, *tensors: torch.Tensor) -> torch.Tensor:
     """``attend(p, *tensors)``; for a batch of tags, ``attend`` on each tag's rows with that tag's pass, joined in
     batch order (the projections around it run once over the whole batch)."""
     if p.tag_passes is None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .causal_config import DEFAULTS
 from .masks import chunk_schedule
 from .model import experts_of, resolve_engines
 from .planner import RolloutPlanner, check_context_noise, expert_engine_maps
@@ -64,8 +65,8 @@ def commit_clean(planner: RolloutPlanner, latents: torch.Tensor, start_frame: in
 
 @torch.no_grad()
 def prefill(model, latents: torch.Tensor, prompt_embeds: torch.Tensor, *, cache_tag: str = "pos",
-            start_frame: int | None = None, chunk_frames: int | Sequence[int] = 3, context_noise: float = 0.0,
-            context_noise_mode: str = "label", image_embeds: torch.Tensor | None = None,
+            start_frame: int | None = None, chunk_frames: int | Sequence[int] = DEFAULTS.chunk_frames,
+            context_noise: float = 0.0, context_noise_mode: str = "label", image_embeds: torch.Tensor | None = None,
             condition_latents: torch.Tensor | None = None, control_latents: torch.Tensor | None = None,
             control_scale: torch.Tensor | None = None, cache_engines: dict | None = None,
             generator: torch.Generator | None = None) -> int:
@@ -130,7 +131,7 @@ def adopt(planner: RolloutPlanner, scratch: list[dict], cache_tag: str) -> None:
 
 @torch.no_grad()
 def recache(model, window: Sequence[tuple[int, torch.Tensor]], prompt_embeds: torch.Tensor, *,
-            cache_tag: str = "pos", chunk_frames: int = 3, context_noise: float = 0.0,
+            cache_tag: str = "pos", chunk_frames: int = DEFAULTS.chunk_frames, context_noise: float = 0.0,
             context_noise_mode: str = "label", image_embeds: torch.Tensor | None = None,
             cache_engines: dict | None = None, generator: torch.Generator | None = None) -> None:
     """Re-cache ``cache_tag`` under new conditioning: prefill the frames the tag still holds, from their clean

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .causal_config import DEFAULTS
 from .masks import chunk_schedule
 from .planner import RolloutPlanner
 from .session import RolloutSession, Sampling
@@ -48,9 +49,9 @@ def causal_rollout(
     *,
     negative_prompt_embeds: torch.Tensor | None = None,
     guidance_scale: float = 1.0,
-    chunk_frames: int | Sequence[int] = 3,
-    timesteps: Sequence[float] = (1000, 750, 500, 250),
-    shift: float = 5.0,
+    chunk_frames: int | Sequence[int] = DEFAULTS.chunk_frames,
+    timesteps: Sequence[float] = DEFAULTS.timesteps,
+    shift: float = DEFAULTS.shift,
     scheduler=None,
     num_inference_steps: int | None = None,
     context_noise: float = 0.0,
@@ -124,9 +125,9 @@ def self_forcing_rollout(
     *,
     exit_step: int | Sequence[int] | None = None,
     grad_from_frame: int = 0,
-    chunk_frames: int | Sequence[int] = 3,
-    timesteps: Sequence[float] = (1000, 750, 500, 250),
-    shift: float = 5.0,
+    chunk_frames: int | Sequence[int] = DEFAULTS.chunk_frames,
+    timesteps: Sequence[float] = DEFAULTS.timesteps,
+    shift: float = DEFAULTS.shift,
     context_noise: float = 0.0,
     context_noise_mode: str = "renoise",
     negative_prompt_embeds: torch.Tensor | None = None,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .causal_config import DEFAULTS
 from .model import topology
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .refill import adopt, planner_engines, recached_engines
@@ -59,8 +60,9 @@ class Sampling:
     context_noise_mode: str = "label"
 
     @classmethod
-    def create(cls, timesteps: Sequence[float] | None = None, shift: float = 5.0, context_noise: float = 0.0,
-               context_noise_mode: str = "label", scheduler=None, num_inference_steps: int | None = None) -> Sampling:
+    def create(cls, timesteps: Sequence[float] = DEFAULTS.timesteps, shift: float = DEFAULTS.shift,
+               context_noise: float = DEFAULTS.context_noise, context_noise_mode: str = DEFAULTS.context_noise_mode,
+               scheduler=None, num_inference_steps: int | None = None) -> Sampling:
         """Validated settings; a scheduler is copied, so another call on the same pipeline cannot reset it."""
         check_context_noise(context_noise, context_noise_mode)
         if scheduler is not None:

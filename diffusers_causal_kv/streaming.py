@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .causal_config import DEFAULTS
 from .kv_cache import BaseKVCacheEngine
 from .planner import RolloutPlanner
 from .rollout import RolloutOutput
@@ -56,9 +57,9 @@ class StreamingRollout:
         *,
         negative_prompt_embeds: torch.Tensor | None = None,
         guidance_scale: float = 1.0,
-        chunk_frames: int = 3,
-        timesteps: Sequence[float] = (1000, 750, 500, 250),
-        shift: float = 5.0,
+        chunk_frames: int = DEFAULTS.chunk_frames,
+        timesteps: Sequence[float] = DEFAULTS.timesteps,
+        shift: float = DEFAULTS.shift,
         context_noise: float = 0.0,
         context_noise_mode: str = "label",
         cache_engines: dict | None = None,

@@ -9,7 +9,7 @@ import PIL.Image
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
-from helpers import cache_snapshot
+from helpers import assert_same_snapshot, cache_snapshot
 
 from diffusers_causal_kv import CausalConfig, CausalWanPipeline, RollingKVCacheEngine, StreamingRollout
 from diffusers_causal_kv.model import topology
@@ -174,7 +174,7 @@ def test_a_call_on_a_streams_engines_is_detected_even_when_the_frame_counts_agre
     assert engines["main"].next_frame("pos") == stream.session.next_frame
     with pytest.raises(RuntimeError, match="was written by another caller"):
         next(stream)
-    assert cache_snapshot(pipe.transformer) == before
+    assert_same_snapshot(before, cache_snapshot(pipe.transformer))
 
 
 # 7: streams honour the config's positions, window and sink ---------------------------------------------------------
@@ -282,3 +282,37 @@ def test_a_list_of_generators_gives_each_sample_its_own_noise():
     streamed = _latents(pipe.stream(**args, num_frames=FRAMES, generator=[_seed(1), _seed(2)],
                                     cache_engines=_engines(pipe, window=21, sink=0, positions="absolute")))
     torch.testing.assert_close(streamed, batched, rtol=0, atol=1e-5)
+
+
+# 10: a TI2V re-cache commits the image frame as the stream committed it (timestep 0, the image's latents) ------------
+def test_a_ti2v_recache_under_the_same_prompt_rebuilds_the_same_cache():
+    from diffusers_causal_kv.testing import tiny_wan22_vae
+
+    components = tiny_pipeline_components(tiny_wan(seed=0, in_channels=48, out_channels=48))
+    components["vae"] = tiny_wan22_vae(seed=0)
+    pipe = CausalWanPipeline(**components, expand_timesteps=True, causal_config=CausalConfig(
+        chunk_frames=2, timesteps=TIMESTEPS, context_noise=100.0))
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    engines = {"main": RollingKVCacheEngine(6, positions="relative")}  # re-cached in the chunks it was made in
+    stream = pipe.stream(**_args(height=64, width=64, image=image), num_frames=13, generator=_seed(1),
+                         cache_engines=engines, output_type="latent")
+    next(stream)  # frames 0..1, frame 0 the image
+    before = cache_snapshot(_Holder(engines))
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"].clone()),
+                                                      with_kwargs=True)
+    try:
+        stream.session.switch_prompt(stream.session.prompts["pos"], mode="recache")
+    finally:
+        hook.remove()
+    # Frame 0 (the image) is re-committed at timestep 0, frame 1 at the commit label.
+    tokens = seen[0].shape[1] // 2
+    assert len(seen) == 1 and torch.all(seen[0][:, :tokens] == 0) and torch.all(seen[0][:, tokens:] == 100.0)
+    assert_same_snapshot(before, cache_snapshot(_Holder(engines)))
+
+
+class _Holder:
+    """An object whose ``kv_cache_engines`` are the given map (what ``cache_snapshot`` reads)."""
+
+    def __init__(self, engines: dict) -> None:
+        self.kv_cache_engines = engines

@@ -3,7 +3,8 @@
 This package knows tensors only: it imports nothing of ``diffusers_causal_kv`` but the rotary-math leaf.
 """
 
-from .base import AttentionKV, BaseKVCacheEngine, CrossEntry, PassInfo, StagedChunk, TagInfo, owning_engine
+from .base import BaseKVCacheEngine, owning_engine
+from .records import AttentionKV, CrossEntry, PassInfo, StagedChunk, TagInfo
 from .rolling_engine import RollingKVCacheEngine
 from .static_engine import StaticKVCacheEngine
 from .vanilla_engine import VanillaKVCacheEngine

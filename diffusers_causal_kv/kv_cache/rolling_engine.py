@@ -63,7 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BaseKVCacheEngine, PassInfo, StagedChunk, TagInfo, writable
+from .base import BaseKVCacheEngine, writable
+from .records import PassInfo, StagedChunk, TagInfo
 
 POSITIONS = ("absolute", "relative")
 

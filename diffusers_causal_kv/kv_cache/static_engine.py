@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionKV, BaseKVCacheEngine, PassInfo, TagInfo, writable
+from .base import BaseKVCacheEngine, writable
+from .records import AttentionKV, PassInfo, TagInfo
 
 
 @dataclass

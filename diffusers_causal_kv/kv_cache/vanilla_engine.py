@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import BaseKVCacheEngine, TagInfo
+from .base import BaseKVCacheEngine
+from .records import TagInfo
 
 
 @dataclass

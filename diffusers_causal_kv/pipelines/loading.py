@@ -8,6 +8,7 @@ config, and refuses engines the user put there that do not match (naming the fix
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -15,8 +16,9 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ..causal_config import CausalConfig
 from ..kv_cache import BaseKVCacheEngine, KVCacheEngine, RollingKVCacheEngine
-from ..model import topology
+from ..model import experts_of, topology
 from ..processors import CausalWanAttnProcessor
+from ..refill import expert_engines
 
 # Engines a pipeline built from its config (the user's own engines are never replaced).
 _MADE_BY_PIPELINE: weakref.WeakSet = weakref.WeakSet()
@@ -95,3 +97,42 @@ def _describe(engines: dict) -> str:
     return ", ".join(f"{branch}: {type(engine).__name__}" + (
         f"(window_frames={engine.window_frames}, sink_frames={engine.sink_frames}, positions={engine.positions!r})"
         if getattr(engine, "window_frames", None) is not None else "") for branch, engine in engines.items())
+
+
+class LoadingMixin:
+    """The loading side of :class:`~diffusers_causal_kv.CausalWanPipeline`: ``causal_config.json`` with the folder,
+    the processors and engines on its transformers, the memory their caches hold."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """``DiffusionPipeline.from_pretrained``, plus ``causal_config.json`` from a local folder (its root, then its
+        ``transformer/``) when ``causal_config`` is not passed."""
+        if "causal_config" not in kwargs and os.path.isdir(pretrained_model_name_or_path):
+            root = str(pretrained_model_name_or_path)
+            kwargs["causal_config"] = CausalConfig.find([root, os.path.join(root, "transformer")])
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``DiffusionPipeline.save_pretrained``, plus the pipeline's ``causal_config.json``."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.causal_config.save(save_directory)
+
+    def cache_memory_bytes(self, cache_engines: dict | None = None) -> dict[str, int]:
+        """Bytes the KV cache holds, per expert: ``{"transformer": n}``, and ``"transformer_2"`` too for a two-expert
+        Wan2.2 A14B pipeline (each expert caches the K/V of its own weights, so the cache is held twice).
+
+        ``cache_engines``: the engine map of a call or a stream (a stream's: ``stream.session.planner.cache_engines``
+        for one expert); default the transformers' own ``kv_cache_engines``."""
+        names = ("transformer", "transformer_2")
+        return {name: sum(engine.memory_bytes() for engine in engines.values())
+                for name, (_, engines) in zip(names, expert_engines(self, cache_engines))}
+
+    def install_processors(self, cache_engines: dict | None = None) -> None:
+        """Install the causal processors on the transformer (and ``transformer_2``); without ``cache_engines``, also
+        the engines ``causal_config`` describes (:func:`~diffusers_causal_kv.pipelines.loading.install_engines`):
+        engines a pipeline made for another config are replaced, mismatching engines of your own are refused."""
+        for transformer in experts_of(self):  # Wan2.2 A14B: both experts, each with its own engines
+            if cache_engines is None:
+                install_engines(transformer, self.causal_config)
+            else:
+                install_causal_processors(transformer)

@@ -16,7 +16,6 @@ its own share from its own generator.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,12 +40,11 @@ from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT
 
 from ..causal_config import CausalConfig
 from ..masks import chunk_schedule
-from ..model import experts_of, topology
+from ..model import topology
 from ..planner import RolloutPlanner
-from ..refill import expert_engines
 from ..session import RolloutSession, Sampling
 from .inputs import call_inputs
-from .loading import install_causal_processors, install_engines
+from .loading import LoadingMixin
 from .open_stream import StreamMixin
 
 logger = logging.get_logger(__name__)
@@ -70,7 +68,7 @@ class Guidance:
         return {"guidance_scale": self.scale, "guidance_scale_2": self.scale_2}
 
 
-class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin, StreamMixin):
+class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, StreamMixin):
     """Causal, chunk-by-chunk text-to-video (and image-to-video, VACE; Wan2.1 and Wan2.2) with a KV cache.
 
     Args:
@@ -131,21 +129,6 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin, StreamMixin):
         self.vae_scale_factor_spatial = vae.config.scale_factor_spatial if vae is not None else 8
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
 
-    # ------------------------------------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """``DiffusionPipeline.from_pretrained``, plus ``causal_config.json`` from a local folder (its root, then its
-        ``transformer/``) when ``causal_config`` is not passed."""
-        if "causal_config" not in kwargs and os.path.isdir(pretrained_model_name_or_path):
-            root = str(pretrained_model_name_or_path)
-            kwargs["causal_config"] = CausalConfig.find([root, os.path.join(root, "transformer")])
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """``DiffusionPipeline.save_pretrained``, plus the pipeline's ``causal_config.json``."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        self.causal_config.save(save_directory)
-
     # ------------------------------------------------------------------------------------------------ call state
     # Set by each __call__ for its callbacks (diffusers' convention); streams read none of it.
     @property
@@ -183,26 +166,6 @@ class CausalWanPipeline(DiffusionPipeline, WanLoraLoaderMixin, StreamMixin):
     def chunk_seconds(self) -> list[float]:
         """Wall-clock seconds per chunk of the last call (denoising and commit, without text encoding or decoding)."""
         return self._chunk_seconds
-
-    def cache_memory_bytes(self, cache_engines: dict | None = None) -> dict[str, int]:
-        """Bytes the KV cache holds, per expert: ``{"transformer": n}``, and ``"transformer_2"`` too for a two-expert
-        Wan2.2 A14B pipeline (each expert caches the K/V of its own weights, so the cache is held twice).
-
-        ``cache_engines``: the engine map of a call or a stream (a stream's: ``stream.session.planner.cache_engines``
-        for one expert); default the transformers' own ``kv_cache_engines``."""
-        names = ("transformer", "transformer_2")
-        return {name: sum(engine.memory_bytes() for engine in engines.values())
-                for name, (_, engines) in zip(names, expert_engines(self, cache_engines))}
-
-    def install_processors(self, cache_engines: dict | None = None) -> None:
-        """Install the causal processors on the transformer (and ``transformer_2``); without ``cache_engines``, also
-        the engines ``causal_config`` describes (:func:`~diffusers_causal_kv.pipelines.loading.install_engines`):
-        engines a pipeline made for another config are replaced, mismatching engines of your own are refused."""
-        for transformer in experts_of(self):  # Wan2.2 A14B: both experts, each with its own engines
-            if cache_engines is None:
-                install_engines(transformer, self.causal_config)
-            else:
-                install_causal_processors(transformer)
 
     # ------------------------------------------------------------------------------------------------ call
     @torch.no_grad()
