@@ -43,6 +43,10 @@ class TemporalRoPEOffsetHook(ModelHook):
         p_t, p_h, p_w = module.patch_size
         rows = height // p_h
         positions = torch.arange(frames // p_t) if p is None else p.positions
+        if p is not None:
+            # Here, and not when the pass is built: an offloading hook around this one has rope's buffers loaded now
+            # and swaps in empty ones after (to disk); these views keep the loaded storage.
+            p.take_temporal_rope(module.freqs_cos[:, :module.t_dim], module.freqs_sin[:, :module.t_dim])
         first_row = 0 if split is None else split.rank * rows
         # non_blocking: a blocking copy from host memory waits for the device to finish all the work queued so far,
         # once per forward; from pageable memory the copy is staged before the call returns, so this is safe.

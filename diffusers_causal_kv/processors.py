@@ -61,8 +61,9 @@ class AttentionPass(Protocol):
     """Cache mode: what the engines know of the pass (``None`` in mask modes and for a batch of tags)."""
     mask: CausalMask | None
     """Mask modes (training): the attention mask of the whole sequence."""
-    temporal_rope: tuple[torch.Tensor, torch.Tensor]
-    """The model's temporal RoPE rows, for engines that number window frames at read time."""
+    temporal_rope: tuple[torch.Tensor, torch.Tensor] | None
+    """The model's temporal RoPE rows, for engines that number window frames at read time (set by the RoPE hook,
+    which runs before any attention of the forward)."""
     tag_passes: Sequence[AttentionPass] | None
     """A batch of tags: the pass of each tag's rows, in batch order."""
 

@@ -9,7 +9,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from helpers import assert_same_snapshot, cache_snapshot, conditioning, forward, tiny_wan
 
-from diffusers_causal_kv import CausalWanAttnProcessor, clear_caches, uninstall_causal_kv
+from diffusers_causal_kv import CausalWanAttnProcessor, RollingKVCacheEngine, clear_caches, uninstall_causal_kv
 
 H = W = 4
 STEPS = (900.0, 500.0)
@@ -210,6 +210,28 @@ def test_leaf_level_offloading_to_disk(order, tmp_path):
         forward(model, chunks[0], torch.zeros(2), text, start_frame=0)
     model.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type="leaf_level",
                                offload_to_disk_path=str(tmp_path))
+    _assert_close(_rollout(model, text, chunks), reference, atol=0)
+
+
+@pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
+@pytest.mark.parametrize("order", ["before_first_context", "after_first_context"])
+def test_offloading_to_disk_with_relative_positions(offload_type, order, tmp_path):
+    # A relative rolling engine rotates the cached prefix with the model's temporal RoPE rows at read time: they are
+    # taken while rope's buffers are onloaded (inside the RoPE hook), not when the pass is built.
+    def rolling(model):
+        model.kv_cache_engines = {"main": RollingKVCacheEngine(2, positions="relative")}
+        return model
+
+    model = rolling(_installed())
+    text, _ = conditioning(model)
+    chunks = _chunks(model, num=4)
+    reference = _rollout(model, text, chunks)
+    model = rolling(_installed())
+    if order == "after_first_context":
+        forward(model, chunks[0], torch.zeros(2), text, start_frame=0)
+    extra = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    model.enable_group_offload(onload_device=CPU, offload_device=CPU, offload_type=offload_type,
+                               offload_to_disk_path=str(tmp_path), **extra)
     _assert_close(_rollout(model, text, chunks), reference, atol=0)
 
 

@@ -25,8 +25,6 @@ class ForwardPass:
 
     engines: dict[str, BaseKVCacheEngine]
     positions: torch.Tensor
-    temporal_rope: tuple[torch.Tensor, torch.Tensor]
-    """The model's temporal RoPE rows, handed to engines that number window frames at read time."""
     info: PassInfo | None = None
     mask: CausalMask | None = None
     recomputing: bool = False
@@ -36,6 +34,9 @@ class ForwardPass:
     tag_passes: list[ForwardPass] | None = None
     """A batch of several tags (``CausalContext(cache_tag=(...))``): the pass of each tag's group of rows, in batch
     order, each with its own info, staged K/V and memos; this pass itself has no info."""
+    temporal_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The model's temporal RoPE rows, handed to engines that number window frames at read time; set by the RoPE hook
+    (:meth:`take_temporal_rope`), while an offloading hook has rope's buffers loaded."""
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedChunk]] = field(default_factory=dict, repr=False)
     _memos: dict[int, dict] = field(default_factory=dict, repr=False)
 
@@ -43,6 +44,11 @@ class ForwardPass:
     def stages(self) -> bool:
         """Whether attention should stage K/V now (a ``store_kv=True`` forward, not its checkpoint recomputation)."""
         return self.info.store_kv and not self.recomputing
+
+    def take_temporal_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Keep the model's temporal RoPE rows for this pass (and each tag's part of a batch)."""
+        for part in [self, *(self.tag_passes or [])]:
+            part.temporal_rope = (cos, sin)
 
     def engine_for(self, attn: torch.nn.Module) -> BaseKVCacheEngine:
         return owning_engine(self.engines, attn)

@@ -87,15 +87,13 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
         check_split_forward(context.mode, inputs)
     # Under context parallelism each rank runs (and caches) its rows of every frame.
     frame_tokens = grid_h * grid_w // (1 if split is None else split.degree)
-    rope = transformer.rope
-    temporal_rope = (rope.freqs_cos[:, :rope.t_dim], rope.freqs_sin[:, :rope.t_dim])
     if context.mode != "cache":  # mask modes never touch the cache
         mask = sequence_mask(context, num_frames, frame_tokens)
         # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
         span = num_frames // 2 if context.mode == "teacher_forcing" else num_frames
         check_rope_range(transformer, context.start_frame, span)
         positions = (context.start_frame + torch.arange(span)).repeat(num_frames // span)
-        return ForwardPass(context.cache_engines, positions, temporal_rope, mask=mask)
+        return ForwardPass(context.cache_engines, positions, mask=mask)
     device = inputs["hidden_states"].device
     # Under autocast the projections, and so the cached K/V, take the autocast dtype.
     autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
@@ -118,11 +116,11 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
     firsts = {tag: chunk_rope_start(transformer, context.cache_engines, tag, context.start_frame, num_frames)
               for tag in tags}
     first = check_tag_positions(firsts)
-    passes = [ForwardPass(context.cache_engines, first + torch.arange(num_frames), temporal_rope, info=info,
+    passes = [ForwardPass(context.cache_engines, first + torch.arange(num_frames), info=info,
                           group=None if split is None else split.group) for info in infos]
     if len(passes) == 1:
         return passes[0]
-    return ForwardPass(context.cache_engines, passes[0].positions, temporal_rope, tag_passes=passes,
+    return ForwardPass(context.cache_engines, passes[0].positions, tag_passes=passes,
                        group=passes[0].group)
 
 
