@@ -7,6 +7,8 @@ when ``prompt_embeds`` are passed, so these pipelines drop that sub-block and ta
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanBlocks, WanImage2VideoAutoBlocks
@@ -21,6 +23,7 @@ from diffusers_causal_kv.modular import (
     CausalWanCoreDenoiseStep,
     CausalWanImage2VideoCoreDenoiseStep,
     CausalWanImage2VideoDenoiseStep,
+    CausalWanTextEncoderStep,
     causal_wan_blocks,
     causal_wan_i2v_blocks,
 )
@@ -58,8 +61,10 @@ def test_block_sets_replace_the_core_denoise_step_only():
     stock, causal = WanBlocks(), causal_wan_blocks()
     assert isinstance(causal, WanBlocks) and list(causal.sub_blocks) == list(stock.sub_blocks)
     assert isinstance(causal.sub_blocks["denoise"], CausalWanCoreDenoiseStep)
-    for name in ("text_encoder", "decode"):
-        assert type(causal.sub_blocks[name]) is type(stock.sub_blocks[name])
+    assert type(causal.sub_blocks["decode"]) is type(stock.sub_blocks["decode"])
+    # The text encoder step is the stock one, made to run without guidance too (diffusers 0.42's does not).
+    assert type(causal.sub_blocks["text_encoder"]) is CausalWanTextEncoderStep
+    assert isinstance(causal.sub_blocks["text_encoder"], type(stock.sub_blocks["text_encoder"]))
     # The core step keeps the stock input and prepare-latents steps and drops set_timesteps.
     assert list(causal.sub_blocks["denoise"].sub_blocks) == ["input", "prepare_latents", "denoise"]
     names = {param.name for param in causal.inputs}
@@ -195,3 +200,30 @@ def test_stock_processors_are_replaced_and_stay_stock_outside_a_context():
     assert {type(p) for p in processors} == {CausalWanAttnProcessor}
     assert {p._attention_backend for p in processors} == {AttentionBackendName._NATIVE_MATH}
     assert torch.equal(forward(transformer, x, t, text), stock)
+
+
+def test_the_shipped_model_runs_through_the_causal_blocks_without_guidance():
+    """The path of a distilled causal checkpoint: loaded from a pipeline folder, a guider of scale 1 (the stock text
+    encoder step of diffusers 0.42 fails there), equal to CausalWanPipeline from the same folder and noise."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    from diffusers_causal_kv import CausalWanPipeline
+
+    folder = pathlib.Path(__file__).parents[1] / "models" / "tiny-sprites"
+    pipe = causal_wan_blocks().init_pipeline(str(folder))
+    pipe.load_components(torch_dtype=torch.float32)
+    pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    args = dict(prompt="a red ball moving right", num_frames=9, height=32, width=32)
+    video = pipe(**args, chunk_frames=3, timesteps=[1000, 750, 500, 250], shift=5.0, output="videos",
+                 generator=torch.Generator().manual_seed(0))
+    assert video.shape == (1, 9, 32, 32, 3)
+    reference = CausalWanPipeline.from_pretrained(str(folder))
+    latents = pipe(**args, chunk_frames=3, timesteps=[1000, 750, 500, 250], shift=5.0, output="latents",
+                   generator=torch.Generator().manual_seed(0))
+    # The stock prepare-latents step draws every frame's noise at once: the pipeline is given the same noise.
+    # The re-noising continues the same generator.
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(reference._latent_shape(1, 9, 32, 32), generator=generator)
+    expected = reference(**args, chunk_frames=3, timesteps=[1000, 750, 500, 250], shift=5.0, guidance_scale=1.0,
+                         output_type="latent", latents=noise, generator=generator).frames
+    torch.testing.assert_close(latents, expected, rtol=0, atol=1e-5)

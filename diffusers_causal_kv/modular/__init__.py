@@ -62,8 +62,8 @@ from .denoise import (
     CausalWan22VaceDenoiseStep,
     CausalWanDenoiseStep,
     CausalWanImage2VideoDenoiseStep,
-    CausalWanVaceEncoderStep,
 )
+from .encoders import CausalWanTextEncoderStep, CausalWanVaceEncoderStep
 
 __all__ = [
     "GUIDER_CACHE_TAGS",
@@ -82,6 +82,7 @@ __all__ = [
     "CausalWanImage2VideoAutoBlocks",
     "CausalWanImage2VideoCoreDenoiseStep",
     "CausalWanImage2VideoDenoiseStep",
+    "CausalWanTextEncoderStep",
     "CausalWanVaceEncoderStep",
     "causal_wan22_blocks",
     "causal_wan22_i2v_blocks",

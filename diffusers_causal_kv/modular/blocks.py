@@ -17,7 +17,7 @@ from diffusers.modular_pipelines.wan.before_denoise import (
     WanVaceAdditionalInputsStep,
 )
 from diffusers.modular_pipelines.wan.decoders import WanVaceTrimReferenceLatentsStep
-from diffusers.modular_pipelines.wan.encoders import WanVaceEncoderStep
+from diffusers.modular_pipelines.wan.encoders import WanTextEncoderStep, WanVaceEncoderStep
 from diffusers.modular_pipelines.wan.modular_blocks_wan import WanBlocks, WanCoreDenoiseStep
 from diffusers.modular_pipelines.wan.modular_blocks_wan22 import Wan22Blocks, Wan22CoreDenoiseStep
 from diffusers.modular_pipelines.wan.modular_blocks_wan22_i2v import (
@@ -36,8 +36,8 @@ from .denoise import (
     CausalWan22VaceDenoiseStep,
     CausalWanDenoiseStep,
     CausalWanImage2VideoDenoiseStep,
-    CausalWanVaceEncoderStep,
 )
+from .encoders import CausalWanTextEncoderStep, CausalWanVaceEncoderStep
 
 
 class CausalWanCoreDenoiseStep(SequentialPipelineBlocks):
@@ -142,6 +142,8 @@ class CausalWan22VaceCoreDenoiseStep(SequentialPipelineBlocks):
         return [OutputParam.template("latents")]
 
 
+_CAUSAL_ENCODER_STEPS = {WanTextEncoderStep: CausalWanTextEncoderStep, WanVaceEncoderStep: CausalWanVaceEncoderStep}
+
 _CAUSAL_CORE_STEPS = {
     WanCoreDenoiseStep: CausalWanCoreDenoiseStep,
     WanImage2VideoCoreDenoiseStep: CausalWanImage2VideoCoreDenoiseStep,
@@ -176,7 +178,7 @@ class _CausalBlockSet(SequentialPipelineBlocks):
     @classmethod
     def _causal_steps(cls, stock: type[SequentialPipelineBlocks]) -> list:
         """The stock set's ``block_classes`` with the causal core denoise step (and VACE encoder step)."""
-        causal = {**_CAUSAL_CORE_STEPS, WanVaceEncoderStep: CausalWanVaceEncoderStep}
+        causal = {**_CAUSAL_CORE_STEPS, **_CAUSAL_ENCODER_STEPS}
         return [causal.get(block, block) for block in stock.block_classes]
 
     @property
@@ -259,8 +261,10 @@ def causal_wan_blocks(blocks: SequentialPipelineBlocks | None = None) -> Sequent
         The copy, with the causal core denoise step (:class:`CausalWanCoreDenoiseStep`,
         :class:`CausalWanImage2VideoCoreDenoiseStep`, :class:`CausalWan22CoreDenoiseStep`,
         :class:`CausalWan22Image2VideoCoreDenoiseStep` or :class:`CausalWan22VaceCoreDenoiseStep`) as its
-        ``"denoise"`` sub-block; its other sub-blocks (text and image encoders, VAE decoder) are the stock ones, but
-        for the VACE set's ``"vace_encoder"``, which becomes :class:`CausalWanVaceEncoderStep` (the causal mask).
+        ``"denoise"`` sub-block; its other sub-blocks (image encoders, VAE decoder) are the stock ones, but for the
+        text encoder step, which becomes :class:`~diffusers_causal_kv.modular.encoders.CausalWanTextEncoderStep`
+        (it also runs without guidance), and the VACE set's ``"vace_encoder"``, which becomes
+        :class:`CausalWanVaceEncoderStep` (the causal mask).
         A stock set comes back as its causal subclass (:class:`CausalWanBlocks`,
         :class:`CausalWanImage2VideoAutoBlocks`, :class:`CausalWan22Blocks`,
         :class:`CausalWan22Image2VideoBlocks`, :class:`CausalWan22VaceBlocks`), whose ``save_pretrained`` makes
@@ -279,8 +283,9 @@ def causal_wan_blocks(blocks: SequentialPipelineBlocks | None = None) -> Sequent
             "Wan22VaceBlocks."
         )
     blocks.sub_blocks["denoise"] = causal()
-    if isinstance(blocks.sub_blocks.get("vace_encoder"), WanVaceEncoderStep):
-        blocks.sub_blocks["vace_encoder"] = CausalWanVaceEncoderStep()
+    for name, step in list(blocks.sub_blocks.items()):  # exactly the stock encoder steps (not subclasses of yours)
+        if type(step) in _CAUSAL_ENCODER_STEPS:
+            blocks.sub_blocks[name] = _CAUSAL_ENCODER_STEPS[type(step)]()
     named = _CAUSAL_BLOCK_SETS.get(type(blocks))
     if named is None:
         return blocks

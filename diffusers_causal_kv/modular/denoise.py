@@ -14,13 +14,11 @@ from diffusers.guiders import BaseGuidance, ClassifierFreeGuidance
 from diffusers.models import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.modular_pipelines import ModularPipelineBlocks, PipelineState
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec, ConfigSpec, InputParam, OutputParam
-from diffusers.modular_pipelines.wan.encoders import WanVaceEncoderStep
 from diffusers.schedulers import UniPCMultistepScheduler
 
 from ..causal_config import DEFAULTS
 from ..masks import chunk_schedule
 from ..model import topology
-from ..pipelines.inputs import causal_vace_mask
 from ..pipelines.loading import install_causal_processors
 from ..planner import Chunk, RolloutPlanner, check_context_noise
 from ..session import RolloutSession, Sampling, shifted_sigmas
@@ -273,18 +271,6 @@ class CausalWan22VaceDenoiseStep(_TwoExpertSteps, CausalWanDenoiseStep):
         dtype = block_state.latents.dtype if block_state.control_hidden_states.is_floating_point() else None
         return {"control_latents": block_state.control_hidden_states.to(dtype),
                 "control_scale": block_state.control_hidden_states_scale}
-
-
-class CausalWanVaceEncoderStep(WanVaceEncoderStep):
-    """The stock ``WanVaceEncoderStep`` with the control mask downsampled in time causally (latent frame ``j`` takes
-    the mask of video frame ``4j``), as ``CausalWanPipeline`` does, instead of resampled over the whole video."""
-
-    @staticmethod
-    def prepare_masks(components, mask, reference_images):
-        if any(len(images) for images in reference_images):
-            raise ValueError("reference_images are not supported by the causal VACE path yet; drop them (they would "
-                             "have to be prefilled before frame 0).")
-        return torch.cat([causal_vace_mask(m[None], True, components.vae_scale_factor_spatial) for m in mask])
 
 
 def _transformer(components, vace: bool) -> torch.nn.Module:
