@@ -1093,6 +1093,29 @@ def pipeline_without_a_prompt():
     return _pipeline(prompt=None)
 
 
+@case(TypeError, "must be a string or a non-empty list of strings", "got int 123")
+def pipeline_prompt_that_is_not_text():
+    return _pipeline(prompt=123)
+
+
+@case(TypeError, "from_pipe takes a loaded pipeline", "CausalWanPipeline.from_pretrained")
+def pipeline_from_pipe_of_a_hub_id():
+    pipe, _ = _called_pipeline()
+    return pipe.transformer, lambda: type(pipe).from_pipe("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+
+
+@case(TypeError, "from_pipe takes a loaded pipeline", "pass a model as a component")
+def pipeline_from_pipe_of_a_model():
+    pipe, _ = _called_pipeline()
+    return pipe.transformer, lambda: type(pipe).from_pipe(pipe.transformer)
+
+
+@case(TypeError, "from_pipe takes a loaded pipeline", "got dict")
+def pipeline_from_pipe_of_another_object():
+    pipe, _ = _called_pipeline()
+    return pipe.transformer, lambda: type(pipe).from_pipe({"transformer": pipe.transformer})
+
+
 @case(ValueError, "but this call needs")
 def pipeline_latents_of_another_shape():
     return _pipeline(latents=torch.randn(1, 16, 3, 2, 2))

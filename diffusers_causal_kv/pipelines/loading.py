@@ -112,6 +112,25 @@ class LoadingMixin:
             kwargs["causal_config"] = CausalConfig.find([root, os.path.join(root, "transformer")])
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
+    @classmethod
+    def from_pipe(cls, pipeline, **kwargs):
+        """``DiffusionPipeline.from_pipe``: a causal pipeline sharing a loaded pipeline's components; other objects
+        are refused with the call that takes them."""
+        if isinstance(pipeline, (str, os.PathLike)):
+            raise TypeError(
+                f"from_pipe takes a loaded pipeline, got the path or hub id {str(pipeline)!r}; load it with "
+                "CausalWanPipeline.from_pretrained(...) (or WanPipeline.from_pretrained(...), then from_pipe)."
+            )
+        if isinstance(pipeline, torch.nn.Module):
+            raise TypeError(
+                f"from_pipe takes a loaded pipeline, got a {type(pipeline).__name__}; pass a model as a component: "
+                "CausalWanPipeline.from_pretrained(folder, transformer=model) or CausalWanPipeline(transformer=model, "
+                "vae=..., text_encoder=..., tokenizer=..., scheduler=...)."
+            )
+        if not hasattr(pipeline, "components"):
+            raise TypeError(f"from_pipe takes a loaded pipeline (a DiffusionPipeline), got {type(pipeline).__name__}.")
+        return super().from_pipe(pipeline, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``DiffusionPipeline.save_pretrained``, plus the pipeline's ``causal_config.json``."""
         super().save_pretrained(save_directory, *args, **kwargs)

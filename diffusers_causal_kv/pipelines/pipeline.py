@@ -303,6 +303,11 @@ class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, Str
         stock ``encode_prompt``."""
         if prompt_embeds is None and prompt is None:
             raise ValueError("CausalWanPipeline needs a prompt or prompt_embeds.")
+        for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+            if text is not None and not (isinstance(text, str) or (
+                    isinstance(text, list) and text and all(isinstance(t, str) for t in text))):
+                raise TypeError(f"{name} must be a string or a non-empty list of strings, got {type(text).__name__} "
+                                f"{text!r:.60}; pass text, or {name}_embeds for embeddings.")
         positive, negative = self.encode_prompt(
             prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guided,
             num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
