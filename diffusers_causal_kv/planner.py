@@ -144,9 +144,11 @@ class RolloutPlanner:
         if self.use_cfg and negative_prompt_embeds is None:
             raise ValueError("guidance_scale != 1 needs negative_prompt_embeds (the 'neg' cache tag's conditioning).")
         # Read-only: a prompt switch makes another planner (with_prompts), so no other holder sees a change.
+        given = {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})}
         self.prompts: Mapping[str, torch.Tensor] = MappingProxyType(
-            {cache_tag: prompt_embeds, **({"neg": negative_prompt_embeds} if self.use_cfg else {})})
-        self.cache_tag, self.guidance_scale, self.image_embeds = cache_tag, guidance_scale, image_embeds
+            {tag: self._in_model_dtype(embeds) for tag, embeds in given.items()})
+        self.cache_tag, self.guidance_scale = cache_tag, guidance_scale
+        self.image_embeds = None if image_embeds is None else self._in_model_dtype(image_embeds)
         self.per_frame = {"condition_latents": condition_latents, "control_latents": control_latents}
         # self.cache_engines stays the first expert's map (set above), not the two-expert map given
         self.control_scale, self.noise = control_scale, NoiseSource(generator)
@@ -168,7 +170,7 @@ class RolloutPlanner:
         if unknown:
             raise ValueError(f"with_prompts: tags {unknown} are not this rollout's tags {sorted(self.prompts)}.")
         planner = copy.copy(self)
-        planner.prompts = MappingProxyType({**self.prompts, **prompts})
+        planner.prompts = MappingProxyType({**self.prompts, **{t: self._in_model_dtype(p) for t, p in prompts.items()}})
         planner._joined_prompts = ((), None)
         return planner
 
@@ -177,12 +179,18 @@ class RolloutPlanner:
         """This planner committing ``cache_tag`` alone under ``prompt_embeds`` (no guidance), into ``engine_maps``
         (one per expert; default the planner's): how one tag is re-cached with the rollout's other inputs."""
         planner = copy.copy(self)
-        planner.prompts = MappingProxyType({cache_tag: prompt_embeds})
+        planner.prompts = MappingProxyType({cache_tag: self._in_model_dtype(prompt_embeds)})
         planner.cache_tag, planner.use_cfg, planner._joined_prompts = cache_tag, False, ((), None)
         if engine_maps is not None:
             planner.experts = [Expert(e.transformer, m, e.guidance_scale) for e, m in zip(self.experts, engine_maps)]
             planner.cache_engines = planner.experts[0].cache_engines
         return planner
+
+    def _in_model_dtype(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Conditioning in the transformer's dtype, as the stock pipelines pass it (fp32 embeddings of a bf16 model
+        would fail in its time projection); the latents keep theirs."""
+        dtype = self.transformer.dtype
+        return embeds if not embeds.is_floating_point() or embeds.dtype == dtype else embeds.to(dtype)
 
     @property
     def engines(self) -> dict:

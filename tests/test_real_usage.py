@@ -285,3 +285,19 @@ def test_autocast_rollout_caches_in_the_autocast_dtype():
     assert model.kv_cache_engines["main"].get_self_prefix(0, "pos")[0].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="was built with dtype torch.bfloat16"):  # mixing is refused clearly
         forward(model, _noise(1), torch.zeros(2), text, start_frame=3)
+
+
+def test_embeddings_in_another_dtype_are_cast_to_the_models_as_the_stock_pipelines_do():
+    """fp32 prompt embeddings on a bf16 model failed inside its time projection; they are cast, as the stock
+    pipelines cast them: the rollout equals one given bf16 embeddings."""
+    from diffusers_causal_kv import CausalWanAttnProcessor, causal_rollout
+    from diffusers_causal_kv.testing import tiny_conditioning, tiny_wan
+
+    model = tiny_wan().to(torch.bfloat16)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    text, _ = tiny_conditioning(model, batch=1)
+    noise = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    args = dict(chunk_frames=1, timesteps=[1000, 500], progress=False)
+    cast = causal_rollout(model, noise, text.to(torch.bfloat16), generator=torch.Generator().manual_seed(1), **args)
+    given = causal_rollout(model, noise, text.float(), generator=torch.Generator().manual_seed(1), **args)
+    assert torch.equal(cast.latents, given.latents)
