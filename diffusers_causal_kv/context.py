@@ -21,7 +21,7 @@ MODES = ("cache", "block_causal", "teacher_forcing")
 class CausalContext:
     """Run forwards of ``transformer`` causally against its KV cache.
 
-    Fields:
+    Args:
         transformer: the Wan transformer the context applies to; forwards of other transformers are unaffected.
         start_frame (int): latent frame at which this forward's chunk starts. It gives the chunk's temporal RoPE
             positions (``start_frame, start_frame + 1, ...``) and must continue the tag's cache: it equals the
@@ -50,8 +50,9 @@ class CausalContext:
               positions. No cache is involved.
         chunk_frames (int | list[int]): mask modes: the chunk schedule (of one half, for teacher forcing), with the
             remainder rule of :func:`~diffusers_causal_kv.chunk_schedule`. The mask is built for each forward.
-        window_frames (int | None), sink_frames (int): mask modes: restrict each chunk to a sliding window of
-            ``window_frames`` frames plus the first ``sink_frames`` frames (see :mod:`diffusers_causal_kv.masks`).
+        window_frames (int | None): mask modes: restrict each chunk to a sliding window of ``window_frames``
+            frames plus the first ``sink_frames`` frames (see :mod:`diffusers_causal_kv.masks`).
+        sink_frames (int): mask modes: the first frames every chunk attends to, besides its window.
         mask (CausalMask): mask modes: a prebuilt mask instead of ``chunk_frames``/``window_frames``/
             ``sink_frames`` (reuse one across training steps; a FlexAttention ``BlockMask`` is built once). Its
             ``kind`` must be the mode and its size the forward's sequence.

@@ -140,12 +140,13 @@ def recache(model, window: Sequence[tuple[int, torch.Tensor]], prompt_embeds: to
     once every forward succeeded, so an error leaves the old tag as it was (at the cost of holding the tag twice
     meanwhile).
 
+    Arguments not listed below are as in :func:`prefill`.
+
     Args:
         window: ``(start_frame, clean latents)`` for each range of :meth:`RollingKVCacheEngine.held_frames`
             (the sink frames, then the recent ones), as :meth:`StreamingRollout.window` gives them.
         chunk_frames: the most frames per commit pass; each range is split into such chunks with the remainder
             as a chunk of its own at the start (:func:`recache_schedule`), so every chunk fits the window.
-        Other arguments as in :func:`prefill`.
     """
     planner = RolloutPlanner(model, prompt_embeds, cache_tag=cache_tag, image_embeds=image_embeds,
                              cache_engines=cache_engines, generator=generator)

@@ -148,6 +148,8 @@ def self_forcing_rollout(
     (``transformer.enable_gradient_checkpointing()``) gives the same gradients: its recomputation in ``backward()``
     sees the prefix the forward saw, even though later chunks were committed in between.
 
+    Arguments not listed below are as in :func:`causal_rollout` (few-step sampling only).
+
     Args:
         exit_step: index into ``timesteps`` of the step that keeps gradients: one int for every chunk, one per chunk,
             or ``None`` to draw one uniformly with ``generator`` for the whole rollout (Self-Forcing's default).
@@ -155,7 +157,6 @@ def self_forcing_rollout(
             on the last frames of a long rollout only).
         context_noise_mode: ``"renoise"`` by default here, as Self-Forcing's training re-noises the clean chunk to
             ``context_noise`` before committing it; ``"label"`` commits it clean with that timestep label.
-        Other arguments as in :func:`causal_rollout` (few-step sampling only).
 
     Returns:
         :class:`RolloutOutput` whose ``latents`` carry the autograd graph and whose ``exit_steps`` give each chunk's

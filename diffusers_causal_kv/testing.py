@@ -6,6 +6,9 @@ every size is a keyword argument, so the same factory builds the benchmark prese
 
 Only torch and diffusers are imported, nothing of the plugin: a reference built here (:class:`MaskedStockProcessor`)
 runs stock diffusers code only.
+
+:func:`doc_namespace` builds the objects the examples of the README and of the documentation take as the reader's
+own (a pipeline, latents, prompt embeddings), so a reader can run any example as written, as the tests do.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from diffusers import (
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
+    WanPipeline,
     WanTransformer3DModel,
     WanVACETransformer3DModel,
 )
@@ -30,6 +34,7 @@ __all__ = [
     "VACE_CHANNELS",
     "MaskedStockProcessor",
     "decode_latents",
+    "doc_namespace",
     "tiny_conditioning",
     "tiny_pipeline_components",
     "tiny_prompt_encoder",
@@ -222,4 +227,67 @@ def tiny_pipeline_components(transformer=None, seed: int = 0) -> dict:
         "text_encoder": tiny_text_encoder(seed=seed),
         "tokenizer": tiny_tokenizer(),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+    }
+
+
+def _doc_latents(frames: int, seed: int) -> torch.Tensor:
+    """``[1, 16, frames, 8, 8]`` latents (16 tokens per latent frame after the 1x2x2 patch), drawn from ``seed``."""
+    return torch.randn(1, 16, frames, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def doc_namespace(processor=None) -> dict:
+    """The objects the Python examples of the README and the docs take as the reader's own, tiny, random and new.
+
+    The examples start from what a reader already has: a diffusers Wan pipeline, its transformer, latents and
+    prompt embeddings. This builds each of them tiny (nothing is downloaded; everything runs on a CPU in seconds),
+    under the name the examples use. The tests run every example of a page in such a namespace, and a reader can
+    do the same::
+
+        from diffusers_causal_kv.testing import doc_namespace
+
+        globals().update(doc_namespace())  # then paste an example
+
+    Args:
+        processor: an attention processor to install on ``transformer`` first, for the examples whose page says
+            the causal processors are already installed (``doc_namespace(CausalWanAttnProcessor())``); default
+            none: the stock model.
+
+    Returns:
+        A new dict on every call, whose entries are:
+
+        * ``transformer``: a tiny stock ``WanTransformer3DModel`` (:func:`tiny_wan`, 2 heads x 12, 2 layers);
+        * ``pipe``: a ``WanPipeline`` around ``transformer``, with a tiny text encoder, tokenizer and VAE
+          (:func:`tiny_pipeline_components`) and a ``FlowMatchEulerDiscreteScheduler``, so prompts run to frames;
+        * ``batch``: 1;
+        * ``noise``, ``clean``: latents ``[1, 16, 6, 8, 8]`` (6 latent frames of 8x8, 16 tokens per frame);
+        * ``chunk``, ``clean_chunk``: latents of 3 frames; ``clip_latents``: latents of 2 frames;
+        * ``first_half``, ``second_half``: lists of two one-frame latents each;
+        * ``prompt_embeds`` and ``text`` (one tensor under two names), ``negative_embeds``, ``new_prompt_embeds``:
+          text embeddings ``[1, 12, 32]`` (:func:`tiny_conditioning`);
+        * ``dmd_loss(latents, exit_steps)``: stands in for a distillation loss (DMD): the mean square of
+          ``latents``.
+
+        Each latent and embedding is drawn from a seed of its own, so the namespace is the same on every call.
+    """
+    transformer = tiny_wan()
+    if processor is not None:
+        transformer.set_attn_processor(processor)
+    text = tiny_conditioning(transformer, batch=1, seed=1)[0]
+    components = {**tiny_pipeline_components(transformer), "scheduler": FlowMatchEulerDiscreteScheduler()}
+    return {
+        "transformer": transformer,
+        "pipe": WanPipeline(**components),
+        "batch": 1,
+        "noise": _doc_latents(6, 0),
+        "clean": _doc_latents(6, 1),
+        "chunk": _doc_latents(3, 2),
+        "clean_chunk": _doc_latents(3, 3),
+        "clip_latents": _doc_latents(2, 4),
+        "first_half": [_doc_latents(1, 10 + i) for i in range(2)],
+        "second_half": [_doc_latents(1, 20 + i) for i in range(2)],
+        "prompt_embeds": text,
+        "text": text,
+        "negative_embeds": tiny_conditioning(transformer, batch=1, seed=2)[0],
+        "new_prompt_embeds": tiny_conditioning(transformer, batch=1, seed=3)[0],
+        "dmd_loss": lambda latents, exit_steps: latents.square().mean(),
     }

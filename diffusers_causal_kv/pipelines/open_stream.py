@@ -65,6 +65,8 @@ class StreamMixin:
     ) -> CausalWanStream:
         """Generate chunk by chunk and yield each chunk's frames as soon as it is decoded (:class:`StreamChunk`).
 
+        Arguments not listed below are as in :meth:`__call__`.
+
         Args:
             num_frames: video frames to generate (``4k + 1`` with Wan's VAE, split into chunks as a pipeline call
                 splits them; with ``resume``, a multiple of the VAE's temporal factor more); ``None`` streams until the
@@ -91,7 +93,6 @@ class StreamMixin:
                 before the next chunk. ``generator``, when given, must be the stream's own.
             overlap: decode chunk *k* while the transformer makes chunk *k + 1* (a side CUDA stream; one chunk of
                 lookahead, see :mod:`~diffusers_causal_kv.pipelines.stream`); default on CUDA devices only.
-            Other arguments as in :meth:`__call__`.
         """
         settings = self.causal_config.replace(num_frames=num_frames, timesteps=timesteps, shift=shift,
                                               context_noise=context_noise, context_noise_mode=context_noise_mode,

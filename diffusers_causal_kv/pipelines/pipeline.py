@@ -207,15 +207,17 @@ class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, Str
         """Generate a video chunk by chunk with the KV cache.
 
         Args:
-            prompt / negative_prompt / prompt_embeds / negative_prompt_embeds / max_sequence_length /
-            num_videos_per_prompt: the text conditioning, as in ``WanPipeline``; CFG runs when the guidance scale
-                is above 1, through the cache tags ``"pos"`` and ``"neg"``.
+            prompt / negative_prompt / prompt_embeds / negative_prompt_embeds: the text conditioning, as in
+                ``WanPipeline``; CFG runs when the guidance scale is above 1, through the cache tags ``"pos"`` and
+                ``"neg"``.
+            num_videos_per_prompt / max_sequence_length: as in ``WanPipeline``.
             image / image_embeds: Wan2.1 I2V (a transformer with ``image_dim``): the first frame, as in
                 ``WanImageToVideoPipeline`` (the condition latents are sliced per chunk).
             video / mask / conditioning_scale: VACE control, as in ``WanVACEPipeline``; ``reference_images`` are
                 refused (they would have to be prefilled before frame 0).
-            height / width: multiples of 16. num_frames: video frames; with Wan's VAE a count that is not ``4k + 1``
-                is rounded down to one, as the stock pipelines do (default: the config's).
+            height / width: multiples of 16.
+            num_frames: video frames; with Wan's VAE a count that is not ``4k + 1`` is rounded down to one, as the
+                stock pipelines do (default: the config's).
             chunk_frames / timesteps / shift / context_noise / context_noise_mode / guidance_scale: the causal
                 sampling (default: the config's; see :class:`~diffusers_causal_kv.CausalConfig`).
             guidance_scale_2: Wan2.2 A14B: the low-noise expert's guidance scale (default ``guidance_scale``).
@@ -224,8 +226,8 @@ class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, Str
             generator / latents: the random generator, or one per sample (a list: sample ``i``'s noise and
                 re-noising come from ``generator[i]``, as in the stock pipelines); ``latents`` gives the initial noise
                 of every latent frame ``[batch, channels, frames, h, w]`` instead of drawing it per chunk.
-            output_type: ``"np"``, ``"pil"``, ``"pt"`` or ``"latent"``. return_dict: a ``WanPipelineOutput``, or a
-                tuple.
+            output_type: ``"np"``, ``"pil"``, ``"pt"`` or ``"latent"``.
+            return_dict: a ``WanPipelineOutput``, or a tuple.
             attention_kwargs: passed to every forward (``{"scale": s}``: the LoRA scale).
             callback_on_step_end / callback_on_step_end_tensor_inputs: called after every denoising step of every
                 chunk as ``callback(pipe, step, timestep, callback_kwargs)``, with the global step index and, as
