@@ -8,8 +8,8 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get
 from helpers import block_causal_mask, conditioning, tiny_wan
 
 from diffusers_causal_kv import CausalWanAttnProcessor, self_forcing_rollout
-from diffusers_causal_kv.session import shifted_sigmas
 from diffusers_causal_kv.rotary import apply_rotary_emb
+from diffusers_causal_kv.session import shifted_sigmas
 
 FRAME_TOKENS = 4
 CHUNKS = [1, 2, 2]
