@@ -41,8 +41,8 @@ def python_blocks(text: str) -> list[Block]:
     while i < len(lines):
         fence = re.match(r"^(\s*)(```+)\s*(\S*)", lines[i])
         if fence is None:
-            if lines[i].startswith("## "):
-                section = lines[i][3:].strip()
+            if lines[i].startswith("## ") or (lines[i].startswith("# ") and section == "(top)"):
+                section = lines[i].lstrip("#").strip()  # a page's title names the blocks before its first section
             i += 1
             continue
         indent, ticks, info = fence.groups()

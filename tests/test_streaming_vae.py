@@ -18,7 +18,8 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder, StreamingVAEEncoder, _missing_internals
+from diffusers_causal_kv.streaming_vae import StreamingVAEDecoder, StreamingVAEEncoder
+from diffusers_causal_kv.streaming_vae.core import _missing_internals
 from diffusers_causal_kv.testing import tiny_vae
 
 Z_DIM = 16
