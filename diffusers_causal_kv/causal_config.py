@@ -10,7 +10,8 @@ The file is a flat JSON object; every key is optional and falls back to the defa
 ================== ============================ ===================================================================
 key                default                      meaning
 ================== ============================ ===================================================================
-chunk_frames       3                            latent frames per chunk (the first chunk absorbs a remainder)
+chunk_frames       3                            latent frames per chunk (the first chunk absorbs a remainder), or
+                                                the list of chunk sizes, in order (adding up to the latent frames)
 timesteps          [1000, 750, 500, 250]        few-step denoising timesteps per chunk (0..1000]
 shift              5.0                          timestep shift applied to ``timesteps`` (Self-Forcing's warp)
 context_noise      0.0                          timestep label (0..1000) of the commit pass of a clean chunk
@@ -26,25 +27,121 @@ positions          "absolute"                   the window's RoPE positions: "ab
                                                 the model's RoPE table) or "relative" (renumbered from 0 per chunk)
 source             null                         what the weights were converted from (e.g. "self_forcing")
 ================== ============================ ===================================================================
+
+Every value is checked by type and range in one place (``CausalConfig.__post_init__``), whichever way it comes:
+``CausalConfig(...)``, ``replace(...)``, ``causal_config.json`` (:meth:`CausalConfig.load`) or the converter's
+``--set KEY=VALUE``, and stored normalised (numbers as floats, counts as ints, lists as tuples). Numbers must be finite
+(JSON's ``NaN`` and ``Infinity`` are refused), counts positive ints (``true`` is not a count), lists lists of numbers;
+a bad value raises ``ValueError: invalid causal config: <key> must be <what is accepted>, got <value>``.
+:data:`ACCEPTED` says what each key accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 CAUSAL_CONFIG_NAME = "causal_config.json"
 CONTEXT_NOISE_MODES = ("label", "renoise")
+POSITIONS = ("absolute", "relative")
+
+#: What each key accepts, as the errors say it.
+ACCEPTED = {
+    "chunk_frames": "a positive int, or a non-empty list of positive ints (the chunk sizes, in order)",
+    "timesteps": "a non-empty list of finite numbers in (0, 1000]",
+    "shift": "a finite number > 0",
+    "context_noise": "a finite number in [0, 1000]",
+    "context_noise_mode": f"one of {list(CONTEXT_NOISE_MODES)}",
+    "guidance_scale": "a finite number",
+    "num_frames": "a positive int",
+    "window_frames": "null (None) or a positive int",
+    "sink_frames": "an int >= 0",
+    "positions": f"one of {list(POSITIONS)}",
+    "source": "null (None) or a string",
+}
+
+
+class _Refused(Exception):
+    """A value a key does not accept (turned into the config's ``ValueError``)."""
+
+
+def _count(value, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise _Refused
+    return int(value)
+
+
+def _number(value, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise _Refused
+    value = float(value)
+    if value < low or (low_open and value == low) or value > high:
+        raise _Refused
+    return value
+
+
+def _list(value, item) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise _Refused
+    return tuple(item(v) for v in value)
+
+
+def _choice(value, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _Refused
+    return value
+
+
+def _optional(value, check):
+    return None if value is None else check(value)
+
+
+def _string(value) -> str:
+    if not isinstance(value, str):
+        raise _Refused
+    return value
+
+
+_CHECKS = {
+    "chunk_frames": lambda v: _list(v, _count) if isinstance(v, Sequence) and not isinstance(v, str) else _count(v),
+    "timesteps": lambda v: _list(v, lambda t: _number(t, 0, 1000, low_open=True)),
+    "shift": lambda v: _number(v, 0, low_open=True),
+    "context_noise": lambda v: _number(v, 0, 1000),
+    "context_noise_mode": lambda v: _choice(v, CONTEXT_NOISE_MODES),
+    "guidance_scale": _number,
+    "num_frames": _count,
+    "window_frames": lambda v: _optional(v, _count),
+    "sink_frames": lambda v: _count(v, least=0),
+    "positions": lambda v: _choice(v, POSITIONS),
+    "source": lambda v: _optional(v, _string),
+}
+
+
+def _problems(values: Mapping) -> list[str]:
+    """What is wrong with a complete set of settings: each refused value with its key and what the key accepts, then
+    the sink that does not fit its window."""
+    problems = []
+    for key, value in values.items():
+        try:
+            _CHECKS[key](value)
+        except _Refused:
+            problems.append(f"{key} must be {ACCEPTED[key]}, got {value!r}")
+    window, sink = values["window_frames"], values["sink_frames"]
+    if not problems and window is not None and sink >= window:
+        problems.append(f"sink_frames ({sink}) must be below window_frames ({window})")
+    return problems
 
 
 @dataclass(frozen=True)
 class CausalConfig:
     """How a causal checkpoint is sampled; see the module docstring for each field."""
 
-    chunk_frames: int = 3
+    chunk_frames: int | tuple[int, ...] = 3
     timesteps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
     shift: float = 5.0
     context_noise: float = 0.0
@@ -57,44 +154,30 @@ class CausalConfig:
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "timesteps", tuple(float(t) for t in self.timesteps))
-        problems = []
-        if not isinstance(self.chunk_frames, int) or self.chunk_frames < 1:
-            problems.append(f"chunk_frames must be a positive int, got {self.chunk_frames!r}")
-        if not self.timesteps or any(not 0 < t <= 1000 for t in self.timesteps):
-            problems.append(f"timesteps must be a non-empty list in (0, 1000], got {list(self.timesteps)}")
-        if self.shift <= 0:
-            problems.append(f"shift must be > 0, got {self.shift!r}")
-        if not 0 <= self.context_noise <= 1000:
-            problems.append(f"context_noise must lie in [0, 1000], got {self.context_noise!r}")
-        if self.context_noise_mode not in CONTEXT_NOISE_MODES:
-            problems.append(f"context_noise_mode must be one of {CONTEXT_NOISE_MODES}, got {self.context_noise_mode!r}")
-        if not isinstance(self.num_frames, int) or self.num_frames < 1:
-            problems.append(f"num_frames must be a positive int, got {self.num_frames!r}")
-        if self.window_frames is not None and (not isinstance(self.window_frames, int) or self.window_frames < 1):
-            problems.append(f"window_frames must be null or a positive int, got {self.window_frames!r}")
-        if not isinstance(self.sink_frames, int) or self.sink_frames < 0:
-            problems.append(f"sink_frames must be an int >= 0, got {self.sink_frames!r}")
-        elif self.window_frames is not None and self.sink_frames >= self.window_frames:
-            problems.append(f"sink_frames ({self.sink_frames}) must be below window_frames ({self.window_frames})")
-        if self.positions not in ("absolute", "relative"):
-            problems.append(f"positions must be 'absolute' or 'relative', got {self.positions!r}")
+        problems = _problems({key: getattr(self, key) for key in ACCEPTED})
         if problems:
             raise ValueError("invalid causal config: " + "; ".join(problems) + ".")
+        for key in ACCEPTED:
+            object.__setattr__(self, key, _CHECKS[key](getattr(self, key)))
 
     @classmethod
-    def from_dict(cls, values: dict, origin: str = "causal config") -> CausalConfig:
+    def from_dict(cls, values: Mapping, origin: str = "causal config") -> CausalConfig:
         """A config from a ``causal_config.json`` object; unknown keys are an error naming them."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{origin} must hold a JSON object of settings, got {type(values).__name__}.")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(map(str, values)) - known)
         if unknown:
             raise ValueError(f"{origin} has unknown keys {unknown}; the known keys are {sorted(known)}.")
+        problems = _problems({**{f.name: f.default for f in dataclasses.fields(cls)}, **values})
+        if problems:
+            raise ValueError(f"invalid causal config in {origin}: " + "; ".join(problems) + ".")
         return cls(**values)
 
     def to_dict(self) -> dict:
+        """The settings as a JSON object (lists for the tuples); ``from_dict`` of it is an equal config."""
         values = dataclasses.asdict(self)
-        values["timesteps"] = list(self.timesteps)
-        return values
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
     def replace(self, **changes) -> CausalConfig:
         """A copy with ``changes`` applied (``None`` values are ignored, so call arguments can be passed through)."""
@@ -105,7 +188,7 @@ class CausalConfig:
         path = os.path.join(directory, CAUSAL_CONFIG_NAME)
         os.makedirs(directory, exist_ok=True)
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+            json.dump(self.to_dict(), f, indent=2, allow_nan=False)
             f.write("\n")
         return path
 
@@ -116,10 +199,8 @@ class CausalConfig:
         with open(path) as f:
             try:
                 values = json.load(f)
-            except json.JSONDecodeError as error:
+            except ValueError as error:  # broken JSON, or bytes that are no text
                 raise ValueError(f"{path} is not valid JSON ({error}).") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(values).__name__}.")
         return cls.from_dict(values, origin=path)
 
     @classmethod

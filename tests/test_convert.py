@@ -6,11 +6,16 @@ broken and mismatched files fail naming the file and the keys."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import os
 import pathlib
+import shlex
+from unittest import mock
 
 import pytest
+import safetensors.torch
 import torch
 from convert_fixtures import (
     HEADS,
@@ -462,3 +467,294 @@ def test_packed_quantized_weights_are_refused(tmp_path):
     with pytest.raises(ValueError, match="the converter cannot dequantize") as caught:
         _convert(src, tmp_path / "out")
     assert "blocks.0.self_attn.q.weight (torch.uint8)" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------- all or nothing (#26)
+def _tree(folder) -> dict[str, bytes] | None:
+    """Every file under ``folder`` with its bytes (``None`` when it does not exist): what "as it was" means."""
+    folder = pathlib.Path(folder)
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _leftovers(parent) -> list[str]:
+    """Staged or moved-aside folders of a conversion left in ``parent``."""
+    return [p.name for p in pathlib.Path(parent).iterdir() if ".converting-" in p.name or ".replaced-" in p.name]
+
+
+class _FailingWrites:
+    """Counts the files written under ``root`` (opened for writing, or saved by safetensors) and raises ``OSError``
+    (no space left) on the ``fail_at``-th: a disk that fills part-way."""
+
+    def __init__(self, root, fail_at=None):
+        self.root, self.fail_at, self.count = str(root), fail_at, 0
+        self._open, self._save_file = builtins.open, safetensors.torch.save_file
+
+    def _written(self, path):
+        if not os.path.abspath(os.fspath(path)).startswith(self.root):
+            return
+        self.count += 1
+        if self.count == self.fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", os.fspath(path))
+
+    def open(self, file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(m in mode for m in "wxa+"):
+            self._written(file)
+        return self._open(file, mode, *args, **kwargs)
+
+    def save_file(self, tensors, filename, *args, **kwargs):
+        self._written(filename)
+        return self._save_file(tensors, filename, *args, **kwargs)
+
+    def __enter__(self):
+        self._patches = [mock.patch("builtins.open", self.open),
+                         mock.patch("safetensors.torch.save_file", self.save_file)]
+        for patch in self._patches:
+            patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        for patch in reversed(self._patches):
+            patch.stop()
+
+
+def _assert_all_or_nothing(convert, out):
+    """``convert(out)`` with a write failing on the k-th file, for every k: each leaves ``out`` exactly as it was
+    (files and bytes, or absent) and nothing beside it; then, unhindered, it completes."""
+    parent = pathlib.Path(out).parent
+    while not parent.exists():
+        parent = parent.parent
+    with _FailingWrites(parent) as counting:
+        convert(parent / "count" / "out")
+    assert counting.count >= 4, counting.count
+    before, folders = _tree(out), [p for p in pathlib.Path(out).parents if p.exists()]
+    for k in range(1, counting.count + 1):
+        with pytest.raises(OSError, match="injected"), _FailingWrites(parent, fail_at=k):
+            convert(out)
+        assert _tree(out) == before, f"a failure on write {k} of {counting.count} changed OUT"
+        assert [p for p in pathlib.Path(out).parents if p.exists()] == folders  # parents made for it: removed
+        assert _leftovers(folders[0]) == [], k
+    convert(out)
+    return counting.count
+
+
+def test_a_failing_write_over_an_earlier_conversion_leaves_it_whole(tmp_path):
+    """The issue's case: a disk that fills on the k-th of 6 shards, over an earlier conversion, for every k; the old
+    folder keeps loading as the old model, and nothing is left beside it."""
+    old, new = _model(seed=0), _model(seed=1)
+    out = tmp_path / "converted" / "model"
+    _convert(write_wrapper(tmp_path / "a" / "self_forcing_dmd.pt", old), out, max_shard_size="20KB")
+    src = write_wrapper(tmp_path / "b" / "self_forcing_dmd.pt", new)
+    shards = len(list(out.glob("*.safetensors")))
+    assert shards == 6
+    files = _assert_all_or_nothing(lambda o: _convert(src, o, max_shard_size="20KB", overwrite=True), out)
+    assert files == shards + 4  # the shards, their index, config.json, causal_config.json, README.md
+    _assert_same_outputs(_load(out), new)
+
+
+def test_a_failing_write_into_a_new_folder_leaves_nothing(tmp_path):
+    """Into an OUT that does not exist, whose parents do not either: a failure removes the parents it made."""
+    src = write_wrapper(tmp_path / "src" / "self_forcing_dmd.pt", _model())
+    _assert_all_or_nothing(lambda o: _convert(src, o), tmp_path / "new" / "deeper" / "out")
+
+
+def test_a_failing_write_of_the_second_expert_leaves_both_experts_old(tmp_path):
+    old = write_diffusers_experts(tmp_path / "old" / "experts", _expert(1), _expert(2))
+    new_high, new_low = _expert(3), _expert(4)
+    new = write_diffusers_experts(tmp_path / "new" / "experts", new_high, new_low)
+    out = tmp_path / "out"
+    _convert(old, out)
+    _assert_all_or_nothing(lambda o: _convert(new, o, overwrite=True, max_shard_size="20KB"), out)
+    _assert_experts(out, new_high, new_low)
+
+
+def test_a_failing_write_of_a_lora_adapter_leaves_the_folder_whole(longlive, tmp_path):
+    base, reference, src, lora = longlive
+    out = tmp_path / "out"
+    _convert(src, out, lora=lora, lora_alpha=8.0)
+    _assert_all_or_nothing(lambda o: _convert(src, o, lora=lora, lora_mode="adapter", lora_alpha=8.0,
+                                              overwrite=True), out)
+    assert (out / LORA_WEIGHT_NAME).is_file()
+
+
+def test_a_failing_check_or_move_leaves_out_as_it_was(tmp_path):
+    """After every file is written: a model that does not load back as planned, or a rename that fails while the
+    old OUT is moved aside, leave OUT as it was (put back) and nothing beside it."""
+    src = write_wrapper(tmp_path / "src" / "self_forcing_dmd.pt", _model(seed=1))
+    out = tmp_path / "out"
+    _convert(write_wrapper(tmp_path / "old" / "self_forcing_dmd.pt", _model(seed=0)), out)
+    before = _tree(out)
+
+    real = WanTransformer3DModel.from_pretrained
+
+    def missing_a_key(*args, **kwargs):
+        model, info = real(*args, **kwargs)
+        return model, {**info, "missing_keys": ["proj_out.weight"]}
+
+    with mock.patch.object(WanTransformer3DModel, "from_pretrained", missing_a_key), \
+            pytest.raises(RuntimeError, match="failed its check after writing"):
+        _convert(src, out, overwrite=True)
+    assert _tree(out) == before and _leftovers(tmp_path) == []
+
+    renames = []
+
+    def second_rename_fails(a, b):
+        renames.append((a, b))
+        if len(renames) == 2:  # OUT is moved aside; the new folder's move into place fails
+            raise OSError(errno.EXDEV, "injected")
+        return os_rename(a, b)
+
+    os_rename = os.rename
+    with mock.patch("os.rename", second_rename_fails), pytest.raises(OSError, match="injected"):
+        _convert(src, out, overwrite=True)
+    assert len(renames) == 3 and _tree(out) == before and _leftovers(tmp_path) == []  # the third put OUT back
+
+
+def test_overwrite_replaces_out_whole(longlive, tmp_path):
+    """The issue's cases: a plain conversion after an adapter one leaves no LoRA file behind, and a single-file
+    conversion after a sharded one no stale index; without overwrite both are refused, OUT untouched."""
+    base, reference, src, lora = longlive
+    out = tmp_path / "out"
+    _convert(src, out, lora=lora, lora_mode="adapter", max_shard_size="20KB")
+    before = _tree(out)
+    assert LORA_WEIGHT_NAME in before and "diffusion_pytorch_model.safetensors.index.json" in before
+    with pytest.raises(ValueError, match="already exists and is not empty") as caught:
+        _convert(src, out, lora=lora)
+    assert "--overwrite" in str(caught.value) and _tree(out) == before
+
+    _convert(src, out, lora=lora, lora_alpha=8.0, overwrite=True)
+    assert sorted(_tree(out)) == ["README.md", "causal_config.json", "config.json",
+                                  "diffusion_pytorch_model.safetensors"]
+    kwargs = inputs(base)
+    torch.testing.assert_close(output(_load(out), kwargs), output(reference, kwargs), atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_out_folder_is_filled_without_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    model = _model()
+    _assert_same_outputs(_load(_convert(write_wrapper(tmp_path / "self_forcing_dmd.pt", model), tmp_path / "out")),
+                         model)
+
+
+@pytest.mark.parametrize("where", ["out-is-src-folder", "out-inside-src-folder", "out-holds-src-file", "out-is-lora",
+                                   "out-holds-base", "through-a-link"])
+def test_out_never_where_the_conversion_reads(tmp_path, where):
+    """The issue's case: OUT == SRC overwrote the source shards (a failure part-way destroyed them)."""
+    source = tmp_path / "Wan2.1"
+    write_safetensors_shards(source, original_state_dict(_model()), shards=2)
+    wrapper = write_wrapper(tmp_path / "ckpt" / "longlive_base.pt", _model())
+    lora = longlive_lora_file(tmp_path / "ckpt" / "lora.pt", _lora_reference())
+    (tmp_path / "link").symlink_to(source)
+    src, out, kwargs = {
+        "out-is-src-folder": (source, source, {"overwrite": True}),
+        "out-inside-src-folder": (source, source / "converted", {}),
+        "out-holds-src-file": (wrapper, tmp_path, {"overwrite": True}),
+        "out-is-lora": (wrapper, lora, {"lora": lora, "overwrite": True}),
+        "out-holds-base": (lora, tmp_path / "ckpt", {"base": wrapper, "overwrite": True}),
+        "through-a-link": (tmp_path / "link", source / "out", {}),
+    }[where]
+    before = _tree(tmp_path)
+    with pytest.raises(ValueError, match="the converter never writes where it reads") as caught:
+        _convert(src, out, **kwargs)
+    assert str(out) in str(caught.value)
+    assert _tree(tmp_path) == before
+
+
+def _lora_reference():
+    reference = _model(seed=6)
+    add_random_lora(reference, rank=4, alpha=8.0)
+    return reference
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/{}", "{absolute}", "sub/../../elsewhere/{}"])
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, name):
+    index = pathlib.Path(write_safetensors_shards(tmp_path / "elsewhere", original_state_dict(_model()), shards=2))
+    shards = json.loads(index.read_text())
+    shards["weight_map"] = {key: name.format(file, absolute=tmp_path / "elsewhere" / file)
+                            for key, file in shards["weight_map"].items()}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / index.name).write_text(json.dumps(shards))
+    with pytest.raises(ValueError, match="names a shard outside its folder"):
+        _convert(tmp_path / "model", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_index_naming_shards_in_a_subfolder_of_its_own_is_read(tmp_path):
+    model = _model(seed=8)
+    index = pathlib.Path(write_safetensors_shards(tmp_path / "model" / "shards", original_state_dict(model)))
+    shards = json.loads(index.read_text())
+    shards["weight_map"] = {key: f"shards/{file}" for key, file in shards["weight_map"].items()}
+    (tmp_path / "model" / index.name).write_text(json.dumps(shards))
+    _assert_same_outputs(_load(_convert(tmp_path / "model" / index.name, tmp_path / "out")), model)
+
+
+# ---------------------------------------------------------------------------------------------- --format auto (#26)
+@pytest.mark.parametrize("path, peer, reason", [
+    # the issue's cases: the file's own name before its folder's
+    ("self_forcing_runs/causvid_autoregressive.pt", "causvid", "its name 'causvid_autoregressive.pt' has 'causvid'"),
+    ("self-forcing-baselines/longlive_base.pt", "longlive", "its name 'longlive_base.pt' has 'longlive'"),
+    ("krea/self_forcing_dmd.pt", "self_forcing", "its name 'self_forcing_dmd.pt' has 'self_forcing'"),
+    # a file name that names nothing: its folder's
+    ("autoregressive_checkpoint/model.pt", "causvid",
+     "its folder's name 'autoregressive_checkpoint' has 'autoregressive_checkpoint'"),
+])
+def test_auto_format_goes_by_the_files_own_name_first(tmp_path, capsys, path, peer, reason):
+    src = write_wrapper(tmp_path / path, _model())
+    out = tmp_path / "out"
+    assert main([src, str(out), "--num-attention-heads", str(HEADS)]) == 0
+    assert CausalConfig.load(out) == FORMATS[peer].sampling
+    assert f"format {peer}: {reason}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the model card (#26)
+def test_a_converted_folder_is_a_hub_model_repo_with_its_card(tmp_path):
+    """README.md with the front matter the Hub reads, the sources, format and reason, the settings, and a command
+    that makes the same folder again."""
+    from huggingface_hub import ModelCard
+
+    model = _model(seed=9)
+    src = write_wrapper(tmp_path / "checkpoints" / "self_forcing_dmd.pt", model, _model(seed=10))
+    out = _convert(src, tmp_path / "out", ema=False, dtype="bfloat16", causal_config={"chunk_frames": [1, 4, 4]})
+    card = ModelCard.load(pathlib.Path(out) / "README.md")  # a local file: parsed, nothing fetched
+    assert card.data.library_name == "diffusers" and card.data.pipeline_tag == "text-to-video"
+    assert {"diffusers-causal-kv", "wan", "self-forcing"} <= set(card.data.tags)
+    assert card.data.base_model is None  # a tiny model is no Wan release: nothing invented
+    assert f"`{src}['generator']`" in card.text and "`self_forcing` (Self-Forcing): its name" in card.text
+    assert '| `chunk_frames` | `[1, 4, 4]` |' in card.text and '| `shift` | `5.0` |' in card.text
+
+    command = next(line for line in card.text.splitlines() if line.startswith("python -m diffusers_causal_kv.convert"))
+    argv = shlex.split(command)[3:]
+    assert argv[:2] == [src, str(tmp_path / "out")] and "--no-ema" in argv and "--dtype" in argv
+    argv[1] = str(tmp_path / "again")
+    assert main(argv) == 0
+    again = _tree(tmp_path / "again")
+    again["README.md"] = again["README.md"].replace(argv[1].encode(), str(out).encode())
+    assert again == _tree(out)  # the same weights, settings and card
+
+
+def test_the_card_of_two_experts_and_of_an_image_to_video_model(tmp_path):
+    from huggingface_hub import ModelCard
+
+    src = write_diffusers_experts(tmp_path / "CausalWan2.2-I2V-A14B-Preview-Diffusers", _expert(1), _expert(2))
+    card = ModelCard.load(pathlib.Path(_convert(src, tmp_path / "out")) / "README.md")
+    assert card.data.pipeline_tag == "image-to-video" and "fastvideo-a14b" in card.data.tags
+    assert 'subfolder="transformer"' in card.text and "transformer_2" in card.text
+    assert "CausalWan2.2-I2V-A14B-Preview-Diffusers/transformer" in card.text
+
+
+@pytest.mark.parametrize("experts, config, release", [
+    (1, dict(num_layers=30, heads=12, ffn_dim=8960, in_channels=16, out_channels=16), "Wan2.1-T2V-1.3B"),
+    (1, dict(num_layers=40, heads=40, ffn_dim=13824, in_channels=16, out_channels=16), "Wan2.1-T2V-14B"),
+    (1, dict(num_layers=30, heads=24, ffn_dim=14336, in_channels=48, out_channels=48), "Wan2.2-TI2V-5B"),
+    (2, dict(num_layers=40, heads=40, ffn_dim=13824, in_channels=36, out_channels=16), "Wan2.2-I2V-A14B"),
+    (1, dict(num_layers=40, heads=40, ffn_dim=13824, in_channels=36, out_channels=16, image_dim=1280), None),
+    (1, dict(num_layers=29, heads=12, ffn_dim=8960, in_channels=16, out_channels=16), None),
+], ids=["t2v-1.3b", "t2v-14b", "ti2v-5b", "i2v-a14b", "i2v-14b-480p-or-720p", "no-release"])
+def test_base_model_is_the_wan_release_of_that_architecture_or_none(experts, config, release):
+    from diffusers_causal_kv.convert.card import base_model
+
+    heads = config.pop("heads")
+    config = {"attention_head_dim": 128, "num_attention_heads": heads, "image_dim": None, **config}
+    found = base_model({f"transformer{i}": config for i in range(experts)})
+    assert found == (None if release is None else f"Wan-AI/{release}-Diffusers")

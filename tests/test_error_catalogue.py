@@ -996,6 +996,23 @@ def causal_config_with_a_sink_filling_the_window():
     return _t2v()[0], _config_trigger('{"window_frames": 4, "sink_frames": 4}')
 
 
+@case(ValueError, "invalid causal config", r"shift must be a finite number > 0, got 'abc'")
+def causal_config_with_text_for_a_number():
+    from diffusers_causal_kv import CausalConfig
+
+    return _t2v()[0], lambda: CausalConfig(shift="abc")
+
+
+@case(ValueError, "invalid causal config", r"causal_config\.json: shift must be a finite number > 0, got nan")
+def causal_config_with_nan():
+    return _t2v()[0], _config_trigger('{"shift": NaN}')
+
+
+@case(ValueError, "invalid causal config", r"timesteps must be a non-empty list of finite numbers .*, got 1000\.")
+def causal_config_with_a_number_for_a_list():
+    return _t2v()[0], _config_trigger('{"timesteps": 1000}')
+
+
 @case(ValueError, "has unknown keys", r"\['chunk_size'\]")
 def causal_config_with_an_unknown_key():
     return _t2v()[0], _config_trigger('{"chunk_size": 3}')
@@ -1380,15 +1397,15 @@ def streaming_vae_decode_of_another_batch():
 # Checkpoint conversion
 def _conversion(write_source, **kwargs):
     """A tiny installed transformer with nothing cached (conversion never touches a KV cache), and a trigger that
-    converts what ``write_source(folder)`` writes into a fresh temporary folder."""
+    converts what ``write_source(folder)`` writes into a fresh temporary folder (``out``: one of its own)."""
     import tempfile
 
     from diffusers_causal_kv.convert import convert_checkpoint
 
     folder = pathlib.Path(tempfile.mkdtemp())
     src = write_source(folder)
-    kwargs = {"num_attention_heads": 2, **kwargs}
-    return _installed(tiny_wan(), {"main": KVCacheEngine()}), lambda: convert_checkpoint(src, folder / "out", **kwargs)
+    kwargs = {"num_attention_heads": 2, "out": pathlib.Path(tempfile.mkdtemp()) / "out", **kwargs}
+    return _installed(tiny_wan(), {"main": KVCacheEngine()}), lambda: convert_checkpoint(src, **kwargs)
 
 
 def _self_forcing_file(folder, name="self_forcing_dmd.pt", **extra):
@@ -1575,6 +1592,71 @@ def convert_packed_quantized_weights():
         return folder / "model_4o6.safetensors"
 
     return _conversion(write)
+
+
+@case(ValueError, "lora_alpha must be a finite number", "got nan", cached=False)
+def convert_with_a_nan_lora_alpha():
+    return _conversion(_self_forcing_file, lora_alpha=float("nan"))
+
+
+@case(ValueError, "max_shard_size must be", "got '10 gigs'", cached=False)
+def convert_with_an_unknown_shard_size():
+    return _conversion(_self_forcing_file, max_shard_size="10 gigs")
+
+
+@case(ValueError, "invalid causal config", r"--set\): guidance_scale must be a finite number, got 'high'", cached=False)
+def convert_with_text_for_a_setting():
+    return _conversion(_self_forcing_file, causal_config={"guidance_scale": "high"})
+
+
+@case(ValueError, "already exists and is not empty", "--overwrite", cached=False)
+def convert_into_a_filled_folder():
+    import tempfile
+
+    out = pathlib.Path(tempfile.mkdtemp())
+    (out / "notes.txt").write_text("an earlier conversion, or anything else")
+    return _conversion(_self_forcing_file, out=out)
+
+
+@case(ValueError, "the converter never writes where it reads", r"OUT .* holds the source .*self_forcing_dmd\.pt",
+      cached=False)
+def convert_into_the_source_folder():
+    import tempfile
+
+    from diffusers_causal_kv.convert import convert_checkpoint
+
+    folder = pathlib.Path(tempfile.mkdtemp())
+    src = _self_forcing_file(folder)
+    return _installed(tiny_wan(), {"main": KVCacheEngine()}), lambda: convert_checkpoint(src, folder,
+                                                                                        num_attention_heads=2)
+
+
+@case(ValueError, "names a shard outside its folder", r"\.\./elsewhere/", cached=False)
+def convert_an_index_naming_shards_elsewhere():
+    import json
+
+    from convert_fixtures import original_state_dict, write_safetensors_shards
+
+    def write(folder):
+        index = pathlib.Path(write_safetensors_shards(folder / "elsewhere", original_state_dict(tiny_wan())))
+        shards = json.loads(index.read_text())
+        shards["weight_map"] = {key: f"../elsewhere/{name}" for key, name in shards["weight_map"].items()}
+        (folder / "model").mkdir()
+        (folder / "model" / index.name).write_text(json.dumps(shards))
+        return folder / "model" / index.name
+
+    return _conversion(write)
+
+
+@case(RuntimeError, "failed its check after writing", "does not load back as planned", cached=False)
+def convert_and_read_back_other_files():
+    """A disk returning other tensors than were written is simulated: the written files read back as holding none."""
+    model, convert = _conversion(_self_forcing_file)
+
+    def trigger():
+        with mock.patch("diffusers_causal_kv.convert.output._stored_tensors", return_value={}):
+            convert()
+    return model, trigger
 
 
 # Quantized KV cache

@@ -8,9 +8,12 @@ FastVideo CausalWan2.2-I2V-A14B (two experts) or original-layout Wan checkpoint 
 sampling settings the checkpoint's authors use. ``FORMATS`` lists the peers, their layouts and settings, with the
 sources they were read from (:mod:`.peers`).
 
-fp8 weights are dequantized (:mod:`.quantized`); a LoRA-only checkpoint is merged onto ``base``.
+fp8 weights are dequantized (:mod:`.quantized`); a LoRA-only checkpoint is merged onto ``base``. The folder is written
+all or nothing (:mod:`.output`: beside ``out``, checked, then moved into place; an existing ``out`` only with
+``overwrite=True``) and is a Hub model repo, with its model card (:mod:`.card`).
 
-This subpackage imports diffusers, torch, safetensors and :mod:`diffusers_causal_kv.causal_config` only.
+This subpackage imports diffusers, huggingface_hub, torch, safetensors and :mod:`diffusers_causal_kv.causal_config`
+only.
 """
 
 from .checkpoint import convert_checkpoint

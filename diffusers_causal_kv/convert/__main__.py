@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from .checkpoint import DTYPES, LORA_MODES, convert_checkpoint
+from .checkpoint import DEFAULT_SHARD_SIZE, DTYPES, LORA_MODES, convert_checkpoint
 from .peers import FORMAT_NAMES
 
 
@@ -22,9 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", help="the checkpoint file (.pt, .safetensors, *.safetensors.index.json) or folder (a "
                                     "folder of two Wan2.2 A14B experts: transformer/ and transformer_2/, or "
                                     "high_noise_model/ and low_noise_model/)")
-    parser.add_argument("out", help="the diffusers folder to write")
+    parser.add_argument("out", help="the diffusers folder to write (written beside it first, moved into place when "
+                                    "complete and checked)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing, non-empty OUT whole (none of its files survives)")
     parser.add_argument("--format", default="auto", choices=FORMAT_NAMES,
-                        help="the checkpoint's origin (default: from its layout and file name)")
+                        help="the checkpoint's origin (default: from its layout, then its file's own name, then its "
+                             "folder's name; the choice and its reason are printed)")
     parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
                         help="convert generator_ema (--ema) or generator (--no-ema); default: what the peer's "
                              "inference loads")
@@ -36,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "checkpoint it was trained on (for two experts, the folder of both)")
     parser.add_argument("--dtype", choices=list(DTYPES),
                         help="cast the weights (default: as stored; bfloat16 for weights dequantized from fp8)")
-    parser.add_argument("--max-shard-size", default="10GB", help="largest safetensors shard (default: 10GB)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE,
+                        help=f"largest safetensors shard (default: {DEFAULT_SHARD_SIZE})")
     parser.add_argument("--num-attention-heads", type=int, help="heads (default: width / 128, as every Wan release)")
     parser.add_argument("--attention-head-dim", type=int, help="head dim (default: 128)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -59,20 +64,32 @@ def _sampling_changes(parser: argparse.ArgumentParser, items: list[str]) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the conversion; progress (the format chosen and why, each folder written) goes to stderr, the folder to
+    stdout. An error is one line on stderr, ``error: ...``, and exit status 1."""
     parser = build_parser()
     args = parser.parse_args(argv)
     causal_config = _sampling_changes(parser, args.set)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    package_logger = logging.getLogger(__package__)
+    progress = logging.StreamHandler(sys.stderr)
+    progress.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = package_logger.level, package_logger.propagate
+    package_logger.addHandler(progress)
+    package_logger.setLevel(logging.INFO)
+    package_logger.propagate = False
     try:
         out = convert_checkpoint(
             args.src, args.out, args.format, ema=args.ema, lora=args.lora, lora_mode=args.lora_mode,
             lora_alpha=args.lora_alpha, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
             num_attention_heads=args.num_attention_heads, attention_head_dim=args.attention_head_dim,
-            causal_config=causal_config,
+            causal_config=causal_config, overwrite=args.overwrite,
         )
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as error:  # bad input, a file system error, a failed check
+        print("error: " + " ".join(str(error).split()), file=sys.stderr)
         return 1
+    finally:
+        package_logger.removeHandler(progress)
+        package_logger.setLevel(level)
+        package_logger.propagate = propagate
     print(out)
     return 0
 

@@ -13,14 +13,23 @@ The steps, each refusing what it cannot do with an error that names the file and
 5. load the tensors (cast to ``dtype``, a LoRA merged in float32) into the model with ``assign=True``, so the
    weights exist once, and ``save_pretrained`` it in safetensors shards of at most ``max_shard_size`` (the two
    experts into ``transformer/`` and ``transformer_2/``, both checked before either is written);
-6. write the LoRA as an adapter (``lora_mode="adapter"``) and ``causal_config.json`` with the peer's sampling
-   settings (:mod:`.peers`).
+6. write the LoRA as an adapter (``lora_mode="adapter"``), ``causal_config.json`` with the peer's sampling
+   settings (:mod:`.peers`) and the model card (:mod:`.card`).
+
+All of it is written into a new folder beside ``out`` and checked (each model loads with stock ``from_pretrained``
+with exactly the planned keys, shapes and dtypes; the LoRA and the sampling settings read back as written) before it
+takes ``out``'s place (:mod:`.output`): a failure at any step leaves ``out`` as it was.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import numbers
 import os
+import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
@@ -29,9 +38,11 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from ..causal_config import CausalConfig
+from .card import Conversion, write_model_card
 from .experts import OUT_NAMES, expert_sources
 from .layout import diffusers_names, infer_config, is_diffusers_layout, is_original_wan_layout
-from .lora import LoraLayer, check_lora, is_lora_only, merged_weights, read_lora, save_lora_adapter
+from .lora import LORA_WEIGHT_NAME, LoraLayer, check_lora, is_lora_only, merged_weights, read_lora, save_lora_adapter
+from .output import Planned, check_destination, check_written, check_written_lora, staged
 from .peers import EXPERTS, FLAT, FORMAT_NAMES, FORMATS, WRAPPER, PeerFormat
 from .quantized import dequantized
 from .reading import TensorMap, read_checkpoint, strip_wrapper_prefixes
@@ -40,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LORA_MODES = ("merge", "adapter")
+DEFAULT_SHARD_SIZE = "10GB"
+SHARD_SIZE = re.compile(r"\s*\d+(\.\d*)?\s*[KMGT]B\s*", re.IGNORECASE)  # what huggingface_hub parses
 
 
 def convert_checkpoint(
@@ -53,10 +66,11 @@ def convert_checkpoint(
     lora_alpha: float | None = None,
     base: str | os.PathLike | None = None,
     dtype: torch.dtype | str | None = None,
-    max_shard_size: int | str = "10GB",
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     num_attention_heads: int | None = None,
     attention_head_dim: int | None = None,
     causal_config: CausalConfig | Mapping | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Convert a causal Wan checkpoint into a diffusers model folder; returns ``out``.
 
@@ -71,11 +85,12 @@ def convert_checkpoint(
             Wan2.2 A14B model (``transformer/`` and ``transformer_2/``, or ``high_noise_model/`` and
             ``low_noise_model/``: FastVideo's CausalWan2.2-I2V-A14B, the official Wan2.2 releases). fp8 weights
             (plain or ComfyUI's scaled fp8) are dequantized.
-        out: the folder to write (created if needed).
+        out: the folder to write, with its parents if needed. It must not exist or be an empty folder unless
+            ``overwrite``, and must not be, lie inside or hold a file the conversion reads.
         format: ``"auto"`` or one of ``self_forcing``, ``causal_forcing``, ``causvid``, ``longlive2``, ``longlive``,
             ``krea``, ``fastvideo_a14b``, ``wan22_a14b``, ``wan``; it selects the expected layout, the default
             ``ema`` and the sampling settings. ``"auto"`` tells the layout from the file and the peer from the
-            released file's name.
+            released file's own name, else from its folder's name (logged, with the reason).
         ema: convert ``generator_ema`` (``True``) or ``generator`` (``False``) of a wrapper checkpoint; ``None``
             takes what the peer's inference loads (Self-Forcing: EMA; the others: not), falling back to
             ``generator`` when a checkpoint has no EMA weights.
@@ -94,18 +109,23 @@ def convert_checkpoint(
             out); default a head dim of 128, as in every Wan release. Tiny test models pass their own.
         causal_config: sampling settings replacing the peer's, whole (a :class:`CausalConfig`) or per key (a dict,
             e.g. ``{"chunk_frames": 1}`` for Causal-Forcing's frame-wise checkpoints).
+        overwrite: replace an existing ``out`` whole (none of its files survives), once the new folder is complete.
     """
     if format not in FORMAT_NAMES:
         raise ValueError(f"format must be one of {list(FORMAT_NAMES)}, got {format!r}.")
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {list(LORA_MODES)}, got {lora_mode!r}.")
-    options = _Options(lora_mode, lora_alpha, _resolve_dtype(dtype), max_shard_size, num_attention_heads,
-                       attention_head_dim)
+    options = _Options(lora_mode, _checked_alpha(lora_alpha), _resolve_dtype(dtype), _checked_shard_size(
+        max_shard_size), num_attention_heads, attention_head_dim)
+    if isinstance(causal_config, Mapping):
+        CausalConfig.from_dict(causal_config, origin="causal_config= (--set)")  # a bad setting fails before any work
     out = os.fspath(out)
+    check_destination(out, (src, lora, base), overwrite)
+    command = _Command(src, out, format, ema, lora, base, overwrite)
 
     experts = expert_sources(os.fspath(src)) if os.path.isdir(src) else None
     if experts is not None:
-        return _convert_experts(os.fspath(src), experts, out, format, lora, base, options, causal_config)
+        return _convert_experts(os.fspath(src), experts, out, format, lora, base, options, causal_config, command)
     if base is not None:
         _check_lora_only(src, lora)
         src, lora = base, src
@@ -114,13 +134,13 @@ def convert_checkpoint(
     if is_lora_only(contents):
         _refuse_lora_only(origin, contents)
     layout = _layout_of(origin, contents)
-    peer = _pick_format(format, origin, layout, lora)
-    sampling = _sampling(peer, causal_config)  # a bad setting fails before any work
+    peer, reason = _pick_format(format, origin, layout, lora)
+    logger.info("format %s: %s", peer.name, reason)
+    sampling = _sampling(peer, causal_config)
     state, entry = _select_state(origin, contents, layout, peer, ema)
     where = f"{origin}[{entry!r}]" if entry else origin
-    model = _prepare(where, state, lora, options)
-    _write(model, out, options)
-    sampling.save(out)
+    prepared = _prepare(where, state, lora, options)
+    _write_all(out, {"": prepared}, options, peer, reason, sampling, command)
     logger.info("converted %s (%s) -> %s; sampling %s", where, peer.title, out, sampling.to_dict())
     return out
 
@@ -140,7 +160,7 @@ class _Options:
 @dataclass
 class _Prepared:
     """One model, checked and ready to write: its state, the diffusers key -> stored key map, the model on the meta
-    device, its LoRA layers, and whether its weights were dequantized from fp8."""
+    device, its LoRA layers (and their file), and whether its weights were dequantized from fp8."""
 
     where: str
     state: TensorMap
@@ -148,6 +168,49 @@ class _Prepared:
     model: WanTransformer3DModel
     layers: dict[str, LoraLayer]
     was_fp8: bool
+    lora_origin: str | None = None
+
+
+@dataclass(frozen=True)
+class _Command:
+    """The arguments of a conversion that are not among its :class:`_Options`, for its command line."""
+
+    src: object
+    out: str
+    format: str
+    ema: bool | None
+    lora: object
+    base: object
+    overwrite: bool
+
+    def line(self, options: _Options, sampling_changes: Mapping) -> str:
+        """``python -m diffusers_causal_kv.convert ...`` doing this conversion."""
+        args = ["python", "-m", "diffusers_causal_kv.convert", os.fspath(self.src), self.out]
+        if self.format != "auto":
+            args += ["--format", self.format]
+        if self.ema is not None:
+            args.append("--ema" if self.ema else "--no-ema")
+        if self.lora is not None:
+            args += ["--lora", os.fspath(self.lora)]
+        if options.lora_mode != "merge":
+            args += ["--lora-mode", options.lora_mode]
+        if options.lora_alpha is not None:
+            args += ["--lora-alpha", repr(float(options.lora_alpha))]
+        if self.base is not None:
+            args += ["--base", os.fspath(self.base)]
+        if options.dtype is not None:
+            args += ["--dtype", next(name for name, dtype in DTYPES.items() if dtype == options.dtype)]
+        if options.max_shard_size != DEFAULT_SHARD_SIZE:
+            args += ["--max-shard-size", str(options.max_shard_size)]
+        if options.heads is not None:
+            args += ["--num-attention-heads", str(options.heads)]
+        if options.head_dim is not None:
+            args += ["--attention-head-dim", str(options.head_dim)]
+        for key, value in sampling_changes.items():
+            args += ["--set", f"{key}={json.dumps(value)}"]
+        if self.overwrite:
+            args.append("--overwrite")
+        return shlex.join(args)
 
 
 def _prepare(where: str, state: TensorMap, lora, options: _Options, accept_diffusers: bool = False) -> _Prepared:
@@ -156,14 +219,44 @@ def _prepare(where: str, state: TensorMap, lora, options: _Options, accept_diffu
     stored, model = _mapping(where, state, options.heads, options.head_dim, accept_diffusers)
     _check_shapes(where, model.state_dict(), stored, state)
     layers: dict[str, LoraLayer] = {}
+    lora_origin = None
     if lora is not None:
         lora_origin, layers = read_lora(lora, options.lora_alpha)
         check_lora(lora_origin, layers, model)
-    return _Prepared(where, state, stored, model, layers, was_fp8)
+    return _Prepared(where, state, stored, model, layers, was_fp8, lora_origin)
+
+
+def _write_all(out: str, models: Mapping[str, _Prepared], options: _Options, peer: PeerFormat, reason: str,
+               sampling: CausalConfig, command: _Command) -> None:
+    """Write the models (by subfolder, ``""`` for ``out`` itself), the sampling settings and the model card into a
+    new folder beside ``out``, check them, and move the folder into ``out``'s place."""
+    peer_settings = peer.sampling.to_dict()
+    changes = {key: value for key, value in sampling.to_dict().items() if value != peer_settings[key]}
+    sources = [source for p in models.values() for source in (p.where, p.lora_origin) if source is not None]
+    conversion = Conversion(peer, reason, sources, {name: dict(p.model.config) for name, p in models.items()},
+                            sampling, command.line(options, changes),
+                            lora_adapter=options.lora_mode == "adapter" and any(p.layers for p in models.values()))
+    with staged(out, command.overwrite) as folder:
+        for name, prepared in models.items():
+            _write(prepared, os.path.join(folder, name), options)
+        sampling.save(folder)
+        write_model_card(folder, conversion)
+        written = CausalConfig.load(folder)
+        if written != sampling or written.source != sampling.source:
+            _refuse_written_sampling(folder, sampling, written)
+
+
+def _refuse_written_sampling(folder: str, sampling: CausalConfig, written: CausalConfig) -> NoReturn:
+    raise RuntimeError(
+        f"the converted folder failed its check after writing: {folder}/causal_config.json reads back as "
+        f"{written.to_dict()}, not {sampling.to_dict()}. Nothing was moved into OUT, which is as it was; check the "
+        "disk and run the conversion again."
+    )
 
 
 def _write(prepared: _Prepared, out: str, options: _Options) -> None:
-    """Load the weights of a prepared model (merging its LoRA, casting) and save it into ``out``."""
+    """Load the weights of a prepared model (merging its LoRA, casting), save it into ``out`` and check what was
+    written."""
     state, stored, model, layers = prepared.state, prepared.stored, prepared.model, prepared.layers
     dtype = options.dtype or (torch.bfloat16 if prepared.was_fp8 else None)
     merged = merged_weights(layers, lambda key: state[stored[key]]) if options.lora_mode == "merge" else {}
@@ -173,18 +266,22 @@ def _write(prepared: _Prepared, out: str, options: _Options) -> None:
         tensor, stored_dtype = merged[key] if key in merged else (state[stored[key]], None)
         weights[key] = _cast(key, tensor, dtype or stored_dtype or tensor.dtype, keep_fp32).contiguous()
     model.load_state_dict(weights, strict=True, assign=True)  # the tensors become the parameters: no copy
+    planned: Planned = {key: (tuple(t.shape), t.dtype) for key, t in weights.items()}
+    del weights
 
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, max_shard_size=options.max_shard_size, safe_serialization=True)
+    check_written(out, planned)
     if layers and options.lora_mode == "adapter":
-        logger.info("wrote the LoRA adapter to %s", save_lora_adapter(out, layers, dtype))
+        check_written_lora(out, LORA_WEIGHT_NAME, save_lora_adapter(out, layers, dtype))
+        logger.info("wrote the LoRA adapter %s", LORA_WEIGHT_NAME)
     config = model.config
-    logger.info("wrote %s -> %s: %d layers, %d heads of %d", prepared.where, out, config["num_layers"],
+    logger.info("wrote %s: %d layers, %d heads of %d", prepared.where, config["num_layers"],
                 config["num_attention_heads"], config["attention_head_dim"])
 
 
 def _convert_experts(src: str, experts: tuple[str, str], out: str, format: str, lora, base, options: _Options,
-                     causal_config) -> str:
+                     causal_config, command: _Command) -> str:
     """Convert the two experts of a Wan2.2 A14B checkpoint into ``out/transformer`` and ``out/transformer_2``."""
     if lora is not None:
         raise ValueError(
@@ -192,7 +289,8 @@ def _convert_experts(src: str, experts: tuple[str, str], out: str, format: str, 
             "in a folder as SRC (transformer/ and transformer_2/, or high_noise_model.safetensors and "
             "low_noise_model.safetensors) and pass the two-expert base as base= (--base)."
         )
-    peer = _pick_format(format, src, EXPERTS, None)
+    peer, reason = _pick_format(format, src, EXPERTS, None)
+    logger.info("format %s: %s", peer.name, reason)
     sampling = _sampling(peer, causal_config)
     bases = None
     if base is not None:
@@ -219,9 +317,7 @@ def _convert_experts(src: str, experts: tuple[str, str], out: str, format: str, 
             f"{src}: the two experts do not share one config ({'; '.join(differing)}); both experts of a Wan2.2 "
             "A14B model have the same architecture: pass the two experts of one release."
         )
-    for name, model in zip(OUT_NAMES, prepared):
-        _write(model, os.path.join(out, name), options)
-    sampling.save(out)
+    _write_all(out, dict(zip(OUT_NAMES, prepared)), options, peer, reason, sampling, command)
     logger.info("converted the experts of %s (%s) -> %s; sampling %s", src, peer.title, out, sampling.to_dict())
     return out
 
@@ -264,13 +360,28 @@ def _resolve_dtype(dtype) -> torch.dtype | None:
     raise ValueError(f"dtype must be one of {list(DTYPES)} (or the torch dtype), got {dtype!r}.")
 
 
+def _checked_alpha(alpha) -> float | None:
+    if alpha is None or (isinstance(alpha, numbers.Real) and not isinstance(alpha, bool) and math.isfinite(alpha)
+                         and alpha > 0):
+        return alpha
+    raise ValueError(f"lora_alpha must be a finite number > 0 (or None: the LoRA's rank), got {alpha!r}.")
+
+
+def _checked_shard_size(size):
+    if isinstance(size, str) and SHARD_SIZE.fullmatch(size) and float(size.strip()[:-2]) > 0 or (
+            isinstance(size, int) and not isinstance(size, bool) and size > 0):
+        return size
+    raise ValueError(f"max_shard_size must be a positive number of bytes or a size such as '5GB' (KB, MB, GB, TB), "
+                     f"got {size!r}.")
+
+
 def _sampling(peer: PeerFormat, causal_config) -> CausalConfig:
     """The peer's sampling settings, replaced whole by a :class:`CausalConfig` or per key by a dict."""
     if causal_config is None:
         return peer.sampling
     if isinstance(causal_config, CausalConfig):
         return causal_config
-    return CausalConfig.from_dict({**peer.sampling.to_dict(), **causal_config}, origin="causal_config")
+    return CausalConfig.from_dict({**peer.sampling.to_dict(), **causal_config}, origin="causal_config= (--set)")
 
 
 def _layout_of(origin: str, contents) -> str:
@@ -285,7 +396,9 @@ def _layout_of(origin: str, contents) -> str:
     _refuse_unknown_layout(origin, keys, f"a {type(contents).__name__}")
 
 
-def _pick_format(format: str, origin: str, layout: str, lora) -> PeerFormat:
+def _pick_format(format: str, origin: str, layout: str, lora) -> tuple[PeerFormat, str]:
+    """``(the peer, why)``: ``format`` when given; under ``"auto"``, the peer the file's own name names, else its
+    folder's name (a downloaded file keeps its release name more often than its folder does)."""
     if format != "auto":
         peer = FORMATS[format]
         if peer.layout != layout:
@@ -293,23 +406,31 @@ def _pick_format(format: str, origin: str, layout: str, lora) -> PeerFormat:
                 f"{origin} is laid out as {_describe(layout)} but format={format!r} expects {_describe(peer.layout)}; "
                 "pass the peer's released file, or format='auto'."
             )
-        return peer
-    released_as = "/".join(os.path.abspath(origin).lower().split(os.sep)[-2:])  # file name and its folder
-    named = [peer for peer in FORMATS.values()
-             if peer.layout == layout and any(hint in released_as for hint in peer.hints)]
+        return peer, f"format={format!r} was given"
+    path = os.path.abspath(origin)
+    named, because = [], "its name names no causal release"
+    for whose, name in (("its", os.path.basename(path)), ("its folder's", os.path.basename(os.path.dirname(path)))):
+        named = [(peer, hint) for peer in FORMATS.values() if peer.layout == layout
+                 for hint in peer.hints if hint in name.lower()]
+        if named:
+            because = f"{whose} name {name!r} has {named[0][1]!r}"
+            break
+    peers = [peer for peer, _ in named]
     if lora is not None and layout == WRAPPER:
         # a base checkpoint with a LoRA beside it is LongLive's release, 2.0 when its name says so
-        return FORMATS["longlive2"] if FORMATS["longlive2"] in named else FORMATS["longlive"]
-    if named:
-        return named[0]
+        peer = FORMATS["longlive2"] if FORMATS["longlive2"] in peers else FORMATS["longlive"]
+        return peer, f"a wrapper .pt comes with a LoRA, as LongLive releases it ({because})"
+    if peers:
+        return peers[0], because
     if layout == FLAT:
-        return FORMATS["wan"]
+        return FORMATS["wan"], f"a flat state dict whose {because}: the original Wan layout"
     if layout == EXPERTS:
-        return FORMATS["wan22_a14b"]
+        return FORMATS["wan22_a14b"], f"a folder of two experts whose {because}: the official Wan2.2 A14B"
     candidates = [name for name, peer in FORMATS.items() if peer.layout == WRAPPER]
     raise ValueError(
-        f"cannot tell which causal checkpoint {origin} is: a wrapper .pt could be any of {candidates}, and its "
-        "name says none of them; pass format= (--format) to choose the peer's sampling settings and EMA default."
+        f"cannot tell which causal checkpoint {origin} is: a wrapper .pt could be any of {candidates}, and neither "
+        "its name nor its folder's names one of them; pass format= (--format) to choose the peer's sampling "
+        "settings and EMA default."
     )
 
 

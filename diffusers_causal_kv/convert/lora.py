@@ -162,10 +162,11 @@ def merged_weights(layers: Mapping[str, LoraLayer], weight_of) -> dict[str, tupl
     return merged
 
 
-def save_lora_adapter(out: str, layers: Mapping[str, LoraLayer], dtype: torch.dtype | None) -> str:
+def save_lora_adapter(out: str, layers: Mapping[str, LoraLayer], dtype: torch.dtype | None
+                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Write the layers as a diffusers LoRA (``scale`` folded into B) to ``out/pytorch_lora_weights.safetensors``;
-    returns its path. Load it with ``transformer.load_lora_adapter(out, weight_name=..., prefix="transformer")`` or
-    ``pipe.load_lora_weights(out)``."""
+    returns the (shape, dtype) of each tensor written, by key. Load it with ``transformer.load_lora_adapter(out,
+    weight_name=..., prefix="transformer")`` or ``pipe.load_lora_weights(out)``."""
     stored = next(iter(layers.values())).down.dtype  # B is scaled in float32: store it as the file did
     tensors = {}
     for name, layer in layers.items():
@@ -175,5 +176,4 @@ def save_lora_adapter(out: str, layers: Mapping[str, LoraLayer], dtype: torch.dt
             tensors[f"{name}.lora_B.bias"] = layer.bias.float() * layer.scale
     tensors = {key: t.to(dtype or stored).contiguous() for key, t in tensors.items()}
     WanLoraLoaderMixin.save_lora_weights(out, transformer_lora_layers=tensors, weight_name=LORA_WEIGHT_NAME)
-    return os.path.join(out, LORA_WEIGHT_NAME)
-
+    return {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()}

@@ -145,16 +145,29 @@ def load_pickle(path: str):
 
 
 def _safetensors_index(path: str) -> dict[str, str]:
-    """Key -> shard file of a ``*.safetensors.index.json``."""
+    """Key -> shard file of a ``*.safetensors.index.json``; every shard must lie in the index's folder."""
     try:
         with open(path) as f:
             weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        names = set(weight_map.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        weight_map, names, reason = None, set(), repr(error)
+    else:
+        reason = None if all(isinstance(name, str) for name in names) else "a shard name that is no string"
+    if reason is not None:
         raise ValueError(
-            f"{path} could not be read as a checkpoint index ({error!r}); expected the JSON object with a "
-            "'weight_map' that sharded safetensors ship."
+            f"{path} could not be read as a checkpoint index ({reason}); expected the JSON object with a "
+            "'weight_map' of shard file names that sharded safetensors ship."
         ) from None
-    folder = os.path.dirname(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    outside = sorted(name for name in names if os.path.isabs(name) or os.path.commonpath(
+        [folder, os.path.normpath(os.path.join(folder, name))]) != folder)
+    if outside:
+        raise ValueError(
+            f"{path} names a shard outside its folder ({outside[:3]}): an index names its shards by file name, "
+            "beside it, and the converter reads nothing else; download the checkpoint again, or fix the index's "
+            "weight_map."
+        )
     files = {key: os.path.join(folder, name) for key, name in weight_map.items()}
     for shard in sorted(set(files.values())):
         if not os.path.isfile(shard):
