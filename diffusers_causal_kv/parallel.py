@@ -15,17 +15,24 @@ Guidance across ranks (the ``"pos"`` and ``"neg"`` passes of a chunk on two rank
 
     with CFGAcrossRanks(group):
         causal_rollout(transformer, noise, text, negative_prompt_embeds=negative, guidance_scale=5.0, ...)
+
+Either way every rank must hold the same inputs: the same noise (the same generator seed on every rank, not one per
+rank), conditioning and schedule. :func:`check_ranks_agree` compares them when a rollout starts, with one all-gather
+of a few checksums per process group, and refuses a rollout whose ranks differ before any cache is cleared.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from .ambient import release_cfg_ranks, using_cfg_ranks
+from .ambient import cfg_ranks, release_cfg_ranks, using_cfg_ranks
 from .positions import install_rope_hook
-from .sharding import ROOT_ALIAS
+from .sharding import ROOT_ALIAS, collective_device, row_split
 
 
 def causal_cp_plan(transformer: torch.nn.Module) -> dict:
@@ -94,3 +101,94 @@ class CFGAcrossRanks:
     def __exit__(self, *exc) -> None:
         release_cfg_ranks(self._tokens.pop())
 
+
+
+def check_ranks_agree(planner, sampling, sizes, latent_shape: Sequence[int] | None, latents: torch.Tensor | None,
+                      device: torch.device | None) -> None:
+    """Refuse a rollout starting under context parallelism or ``CFGAcrossRanks`` whose ranks do not hold the same
+    inputs, naming each rank that differs and what differs; nothing happens without either.
+
+    ``planner`` and ``sampling`` are the rollout's :class:`~diffusers_causal_kv.RolloutPlanner` and
+    :class:`~diffusers_causal_kv.session.Sampling` (read here, not imported: they live in the layers above);
+    ``sizes`` its chunk plan (compared when it is a list), ``latent_shape`` / ``latents`` / ``device`` as the
+    session takes them. Every rank of each group (the guidance pair and its commit group, each expert's
+    context-parallel group) all-gathers one 64-bit checksum per input; tensors are hashed whole, on the CPU."""
+    cfg = cfg_ranks()
+    groups = [] if cfg is None else [cfg.commit_group, cfg.group]
+    groups += [split.group for split in map(row_split, (e.transformer for e in planner.experts)) if split is not None]
+    groups = [group for i, group in enumerate(groups) if all(group is not other for other in groups[:i])]
+    if not groups:
+        return
+    inputs = _rollout_inputs(planner, sampling, sizes, latent_shape, latents, device)
+    local = torch.tensor([_checksum(value) for value in inputs.values()], dtype=torch.int64)
+    for group in groups:
+        (first, expected), *others = gathered_checksums(local, group)
+        differing = []
+        for rank, sums in others:
+            names = [name for name, a, b in zip(inputs, sums.tolist(), expected.tolist()) if a != b]
+            if names:
+                differing.append(f"rank {rank} differs from rank {first} in its {', '.join(names)}")
+        if differing:
+            raise ValueError(
+                "the ranks of a rollout must hold the same noise, conditioning and schedule, but "
+                f"{'; '.join(differing)}. Context parallelism splits one sequence and CFGAcrossRanks one guided step "
+                "across the ranks, so each rank must be given the same inputs: seed every rank's generator alike (not "
+                "by rank), and pass every rank the same prompts, latents and sampling settings."
+            )
+
+
+def gathered_checksums(local: torch.Tensor, group) -> list[tuple[int, torch.Tensor]]:
+    """``(global rank, checksums)`` of every rank of ``group``, in group order (one all-gather)."""
+    device = collective_device(group)
+    gathered = [torch.empty_like(local, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local.to(device), group=group)
+    return [(dist.get_global_rank(group, i), sums.cpu()) for i, sums in enumerate(gathered)]
+
+
+def _rollout_inputs(planner, sampling, sizes, latent_shape, latents, device) -> dict[str, object]:
+    """What every rank must hold alike, by the name the error gives it (the same names, in the same order, on every
+    rank, whatever is missing: ``None`` is hashed too)."""
+    noise, scheduler = planner.noise, sampling.scheduler
+    generators = noise.generator if noise.per_sample else [noise.generator]
+    if noise.generator is None:  # the default generator of the device the noise is drawn on
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        states = [torch.cuda.get_rng_state(device) if on_cuda else torch.get_rng_state()]
+    else:
+        states = [g.get_state() for g in generators]
+    return {
+        "initial latents (latents=)": latents,
+        "random generator state (generator=)": states,
+        "prompt_embeds": planner.prompts[planner.cache_tag],
+        "negative_prompt_embeds": planner.prompts.get("neg"),
+        "image embeddings": planner.image_embeds,
+        "condition latents": planner.per_frame["condition_latents"],
+        "control latents": planner.per_frame["control_latents"],
+        "control scale": planner.control_scale,
+        "first-frame latents": planner.first_frame_latents,
+        "sampling schedule (timesteps, shift, scheduler, context noise)": (
+            sampling.sigmas, sampling.num_inference_steps, sampling.context_noise, sampling.context_noise_mode,
+            None if scheduler is None else (type(scheduler).__name__, dict(scheduler.config))),
+        "chunk plan and latent shape": (list(sizes) if isinstance(sizes, Sequence) else None, latent_shape),
+        "guidance scales and expert boundary": (planner.cache_tag, planner.use_cfg, planner.boundary,
+                                               [e.guidance_scale for e in planner.experts]),
+    }
+
+
+def _checksum(value) -> int:
+    """A 64-bit hash of ``value``: tensors by dtype, shape and bytes; sequences item by item; the rest by ``repr``."""
+    digest = hashlib.blake2b(digest_size=8)
+    _feed(digest, value)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _feed(digest, value) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().reshape(-1).contiguous()
+        digest.update(repr((tensor.dtype, tuple(value.shape))).encode())
+        digest.update(tensor.view(torch.uint8).cpu().numpy().tobytes())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"[{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(repr(value).encode())

@@ -29,6 +29,7 @@ import torch
 
 from .causal_config import DEFAULTS
 from .model import topology
+from .parallel import check_ranks_agree
 from .planner import Chunk, RolloutPlanner, check_context_noise
 from .refill import adopt, planner_engines, recached_engines
 
@@ -142,6 +143,7 @@ class RolloutSession:
                  chunk_inputs: Callable | None = None,
                  keep_window: bool = False, recache_frames: int = 3, latents: torch.Tensor | None = None,
                  continue_cache: bool = False) -> None:
+        check_ranks_agree(planner, sampling, sizes, latent_shape, latents, device)  # before any check can diverge
         self.planner, self.sampling = planner, sampling
         self.latent_shape, self.device = latent_shape and tuple(latent_shape), device
         if latent_shape is not None:

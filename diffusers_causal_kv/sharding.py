@@ -88,12 +88,13 @@ def agree(ok: bool, groups) -> bool:
     """Whether every rank of every group in ``groups`` reports ``ok`` (one all-reduce per group, in order)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     for group in groups:
-        flag = flag.to(_collective_device(group))
+        flag = flag.to(collective_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def _collective_device(group) -> torch.device:
+def collective_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this rank's CUDA device for NCCL, else the CPU."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "cpu" not in backend:
         return torch.device("cuda", torch.cuda.current_device())

@@ -214,6 +214,24 @@ def commit_refused_by_another_rank():
     return model, trigger
 
 
+@case(ValueError, "the ranks of a rollout must hold the same",
+      r"rank 1 differs from rank 0 in its random generator state \(generator=\)")
+def context_parallel_ranks_seeded_apart():
+    """A peer seeded by its rank is simulated: the gathered checksums of rank 1 differ in the generator's state."""
+    model, text = _parallel_t2v()
+
+    def seeded_apart(local, group):
+        theirs = local.clone()
+        theirs[1] += 1  # the generator state's checksum
+        return [(0, local), (1, theirs)]
+
+    def trigger():
+        with mock.patch("diffusers_causal_kv.parallel.gathered_checksums", seeded_apart):
+            causal_rollout(model, _x(2), text, chunk_frames=1, timesteps=(1000,), progress=False,
+                           generator=torch.Generator().manual_seed(0))
+    return model, trigger
+
+
 @case(ValueError, "needs a process group of exactly 2 ranks", "got 4")
 def guidance_across_four_ranks():
     model, _ = _t2v()

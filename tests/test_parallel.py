@@ -12,6 +12,7 @@ package itself does not patch anything.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -232,6 +233,34 @@ def check_guidance_across_ranks_with_context_parallelism(rank):
 
 def test_guidance_across_ranks_with_context_parallelism_on_a_2d_mesh():
     _spawn(check_guidance_across_ranks_with_context_parallelism, world=4)
+
+
+def check_ranks_holding_other_inputs_are_refused(rank):
+    """#26 case 6: a script seeding by rank (or giving each rank another prompt) is refused on every rank, naming
+    the rank and the input that differs, before any cache is cleared (it used to run: the ranks' latents apart, and
+    neither a one-device rollout of either seed)."""
+    for cfg in (False, True):
+        model = _installed(tiny_wan(layers=2))
+        if not cfg:
+            _parallel(model)
+        across = CFGAcrossRanks if cfg else contextlib.nullcontext
+        with across():
+            _rollout(model)  # the same inputs on every rank: accepted
+        before = cache_snapshot(model)
+        noise, text, negative, _ = _inputs(model)
+        other_text, _ = tiny_conditioning(model, batch=1, seed=10 + rank)
+        for prompt, generator, differs in (
+                (text, torch.Generator().manual_seed(rank), "random generator state (generator=)"),
+                (other_text, torch.Generator().manual_seed(4), "prompt_embeds")):
+            with across(), pytest.raises(ValueError, match="the ranks of a rollout must hold the same") as caught:
+                causal_rollout(model, noise, prompt, negative_prompt_embeds=negative, guidance_scale=3.0,
+                               chunk_frames=CHUNKS, timesteps=TIMESTEPS, progress=False, generator=generator)
+            assert f"rank 1 differs from rank 0 in its {differs}." in str(caught.value), str(caught.value)
+            assert_same_snapshot(before, cache_snapshot(model))
+
+
+def test_ranks_holding_other_inputs_are_refused():
+    _spawn(check_ranks_holding_other_inputs_are_refused)
 
 
 # ---------------------------------------------------------------------------------------------- the torchrun example
