@@ -266,8 +266,14 @@ class RolloutPlanner:
                     engine.clear()
 
     def expert_for(self, t) -> Expert:
-        """The expert that denoises at timestep ``t`` (the one the stock pipelines pick for that timestep)."""
-        return self.experts[0] if self.boundary is None or float(t) >= self.boundary else self.experts[1]
+        """The expert that denoises at timestep ``t``: the one diffusers' ``WanPipeline`` picks, on the value handed
+        to the model (``t`` as the float32 timestep tensor of :meth:`inputs`) compared as diffusers compares it
+        (``t >= boundary_ratio * num_train_timesteps``, a float32 tensor against a Python float). ``sigma * 1000``
+        in double precision can fall just below a boundary its float32 rounding reaches (899.99997 -> 900.0)."""
+        if self.boundary is None:
+            return self.experts[0]
+        timestep = torch.tensor(float(t), dtype=torch.float32)
+        return self.experts[0] if bool(timestep >= self.boundary) else self.experts[1]
 
     def batched_tags(self, expert: Expert) -> tuple[str, ...] | None:
         """The tags one forward of ``expert`` runs as a batch (guidance on one device, ``cfg_batch``), or ``None``
