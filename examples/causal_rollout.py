@@ -20,6 +20,9 @@ Real weights, where the Hugging Face hub or a local copy is reachable:
 
 The sampling settings (chunk size, timesteps, shift, context noise, guidance) come from the checkpoint's
 ``causal_config.json``; the flags below override them.
+
+Every error in what it is given (an argument, a path, a checkpoint, a setting the pipeline refuses, an output it
+cannot write) ends the script with one line, ``error: ...``, and exit status 1.
 """
 
 from __future__ import annotations
@@ -38,8 +41,26 @@ from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
 SPRITES_MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-sprites"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, whose usage errors end the script like every other error of it: one line, exit status 1."""
+
+    def error(self, message):
+        raise SystemExit(f"error: {message} (see --help)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-id", default=None,
                         help="diffusers-format Wan pipeline (hub id or folder): the base components, or the whole "
                              "causal pipeline without --checkpoint; default: the tiny sprite model in "
@@ -53,19 +74,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: 'red ball moving right' (sprite model), a fox in the snow otherwise")
     parser.add_argument("--negative-prompt", default=None)
     parser.add_argument("--output", default="causal_rollout.mp4", help="mp4 file to write")
-    parser.add_argument("--num-frames", type=int, default=None,
+    parser.add_argument("--num-frames", type=positive_int, default=None,
                         help="video frames (4k+1); default: the checkpoint's (33, i.e. 9 latent frames, for --random)")
-    parser.add_argument("--chunk-frames", type=int, default=None, help="latent frames per chunk")
-    parser.add_argument("--height", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
-    parser.add_argument("--width", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
+    parser.add_argument("--chunk-frames", type=positive_int, default=None, help="latent frames per chunk")
+    parser.add_argument("--height", type=positive_int, default=None,
+                        help="default: 32 for the sprite model, 64 otherwise")
+    parser.add_argument("--width", type=positive_int, default=None,
+                        help="default: 32 for the sprite model, 64 otherwise")
     parser.add_argument("--timesteps", type=float, nargs="+", default=None,
                         help="few-step denoising timesteps per chunk (default: the checkpoint's)")
     parser.add_argument("--guidance-scale", type=float, default=None, help=">1 runs CFG through 'pos'/'neg' tags")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fps", type=int, default=16)
+    parser.add_argument("--fps", type=positive_int, default=16)
     parser.add_argument("--strip", default=None, help="also write a PNG of the frames side by side (a frame strip)")
-    parser.add_argument("--strip-frames", type=int, default=12, help="frames in the strip (evenly spaced)")
+    parser.add_argument("--strip-frames", type=positive_int, default=12, help="frames in the strip (evenly spaced)")
     args = parser.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):  # before any work (ffmpeg would fail silently)
+        parser.error(f"--output {args.output!r} cannot be written: its folder {folder!r} is not a writable folder")
     sprites = args.checkpoint is None and args.model_id is None and not args.random
     size = 32 if sprites else 64
     args.height, args.width = args.height or size, args.width or size
@@ -103,14 +129,23 @@ def causal_transformer(checkpoint: str, dtype: torch.dtype):
 
     from diffusers_causal_kv.convert import convert_checkpoint
 
+    if not os.path.exists(checkpoint):
+        raise SystemExit(f"error: --checkpoint {checkpoint!r} does not exist; pass a converted folder (python -m "
+                         "diffusers_causal_kv.convert) or a peer's checkpoint file.")
     folder = checkpoint
     if not os.path.isdir(checkpoint):
         folder = checkpoint + ".diffusers"
         if not os.path.isfile(os.path.join(folder, "config.json")):
             print(f"converting {checkpoint} -> {folder}")
-            convert_checkpoint(checkpoint, folder, dtype=dtype)
-    transformer = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
-    return transformer, CausalConfig.find([folder])
+            try:
+                convert_checkpoint(checkpoint, folder, dtype=dtype)
+            except (ValueError, OSError, RuntimeError) as error:  # refused, unreadable, or failed its check
+                raise SystemExit(f"error: could not convert --checkpoint {checkpoint!r}: {one_line(error)}") from None
+    try:
+        transformer = WanTransformer3DModel.from_pretrained(folder, torch_dtype=dtype)
+        return transformer, CausalConfig.find([folder])
+    except (OSError, ValueError) as error:  # no diffusers model there, or a causal_config.json it refuses
+        raise SystemExit(f"error: could not load --checkpoint {folder!r}: {one_line(error)}") from None
 
 
 def sprites_pipeline(dtype: torch.dtype) -> CausalWanPipeline:
@@ -154,6 +189,13 @@ def load_pipeline(args, device: torch.device) -> CausalWanPipeline:
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as error:  # a setting the pipeline refuses, an output path it cannot write
+        raise SystemExit(f"error: {one_line(error)}") from None
+
+
+def run(args: argparse.Namespace) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pipe = load_pipeline(args, device).to(device)
 
@@ -163,7 +205,10 @@ def main(argv=None) -> str:
                   num_frames=args.num_frames, chunk_frames=args.chunk_frames, timesteps=args.timesteps,
                   guidance_scale=args.guidance_scale, generator=generator).frames[0]
     seconds = time.perf_counter() - began
-    export_to_video(list(frames), args.output, fps=args.fps)
+    try:
+        export_to_video(list(frames), args.output, fps=args.fps)
+    except OSError as error:
+        raise SystemExit(f"error: could not write --output {args.output!r}: {one_line(error)}") from None
     if args.strip is not None:
         write_strip(frames, args.strip, args.strip_frames)
 
