@@ -367,6 +367,7 @@ def test_wan22_block_sets_replace_the_core_denoise_step_and_the_vace_mask_encode
         CausalWan22CoreDenoiseStep,
         CausalWan22Image2VideoCoreDenoiseStep,
         CausalWan22VaceCoreDenoiseStep,
+        CausalWanTextEncoderStep,
         CausalWanVaceEncoderStep,
     )
 
@@ -381,6 +382,8 @@ def test_wan22_block_sets_replace_the_core_denoise_step_and_the_vace_mask_encode
         for name, block in causal.sub_blocks.items():
             if name == "vace_encoder":
                 assert type(block) is CausalWanVaceEncoderStep and isinstance(block, WanVaceEncoderStep)
+            elif name == "text_encoder":  # the stock step, made to run without guidance too
+                assert type(block) is CausalWanTextEncoderStep and isinstance(block, type(stock.sub_blocks[name]))
             elif name != "denoise":
                 assert type(block) is type(stock.sub_blocks[name])
         names = {spec.name for spec in causal.expected_components}

@@ -35,8 +35,9 @@ class ForwardPass:
     """A batch of several tags (``CausalContext(cache_tag=(...))``): the pass of each tag's group of rows, in batch
     order, each with its own info, staged K/V and memos; this pass itself has no info."""
     temporal_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The model's temporal RoPE rows, handed to engines that number window frames at read time; set by the RoPE hook
-    (:meth:`take_temporal_rope`), while an offloading hook has rope's buffers loaded."""
+    """The model's temporal RoPE rows, handed to engines that number window frames at read time; taken when the pass
+    is built and again by the RoPE hook (:meth:`take_temporal_rope`), while an offloading hook has rope's buffers
+    loaded (offloading to disk empties them outside it)."""
     _staged: dict[int, tuple[BaseKVCacheEngine, StagedChunk]] = field(default_factory=dict, repr=False)
     _memos: dict[int, dict] = field(default_factory=dict, repr=False)
 

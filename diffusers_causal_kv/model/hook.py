@@ -87,13 +87,16 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
         check_split_forward(context.mode, inputs)
     # Under context parallelism each rank runs (and caches) its rows of every frame.
     frame_tokens = grid_h * grid_w // (1 if split is None else split.degree)
+    # The RoPE hook takes them again while an offloading hook has rope's buffers loaded (ForwardPass.temporal_rope).
+    rope = transformer.rope
+    temporal_rope = (rope.freqs_cos[:, :rope.t_dim], rope.freqs_sin[:, :rope.t_dim])
     if context.mode != "cache":  # mask modes never touch the cache
         mask = sequence_mask(context, num_frames, frame_tokens)
         # Teacher forcing: the clean and the noisy half both sit at positions start_frame, start_frame + 1, ...
         span = num_frames // 2 if context.mode == "teacher_forcing" else num_frames
         check_rope_range(transformer, context.start_frame, span)
         positions = (context.start_frame + torch.arange(span)).repeat(num_frames // span)
-        return ForwardPass(context.cache_engines, positions, mask=mask)
+        return ForwardPass(context.cache_engines, positions, mask=mask, temporal_rope=temporal_rope)
     device = inputs["hidden_states"].device
     # Under autocast the projections, and so the cached K/V, take the autocast dtype.
     autocast = torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
@@ -117,10 +120,10 @@ def build_forward_pass(transformer: torch.nn.Module, context, inputs: dict) -> F
               for tag in tags}
     first = check_tag_positions(firsts)
     passes = [ForwardPass(context.cache_engines, first + torch.arange(num_frames), info=info,
-                          group=None if split is None else split.group) for info in infos]
+                          temporal_rope=temporal_rope, group=None if split is None else split.group) for info in infos]
     if len(passes) == 1:
         return passes[0]
-    return ForwardPass(context.cache_engines, passes[0].positions, tag_passes=passes,
+    return ForwardPass(context.cache_engines, passes[0].positions, tag_passes=passes, temporal_rope=temporal_rope,
                        group=passes[0].group)
 
 
