@@ -316,3 +316,18 @@ class _Holder:
 
     def __init__(self, engines: dict) -> None:
         self.kv_cache_engines = engines
+
+
+def test_a_config_with_a_list_of_chunk_sizes_streams_as_it_calls():
+    """CausalConfig(chunk_frames=[...]) (what a call takes): a stream gives the call's chunks and frames; an endless
+    stream continues with the list's last size."""
+    pipe = _pipe()
+    pipe.causal_config = pipe.causal_config.replace(chunk_frames=[2, 1, 3])
+    called = pipe(**_args(), generator=_seed(6), output_type="latent", cache_engines=_engines(pipe)).frames
+    chunks = list(pipe.stream(**_args(), num_frames=FRAMES, generator=_seed(6), output_type="latent",
+                              cache_engines=_engines(pipe)))
+    assert [len(c.latent_frames) for c in chunks] == [2, 1, 3] and pipe.chunk_sizes == [2, 1, 3]
+    assert torch.equal(_latents(chunks), called)
+    endless = pipe.stream(**_args(), generator=_seed(6), output_type="latent")
+    sizes = [len(next(endless).latent_frames) for _ in range(5)]
+    assert sizes == [2, 1, 3, 3, 3]

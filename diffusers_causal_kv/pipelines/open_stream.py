@@ -100,6 +100,7 @@ class StreamMixin:
                                               sink_frames=sink_frames)
         positions = positions or (settings.positions if self.causal_config.window_frames is not None else "relative")
         chunk = settings.chunk_frames if chunk_frames is None else chunk_frames
+        largest = chunk if isinstance(chunk, int) else max(chunk)  # what a window and a re-cache must hold
         self._check_call(height, width, output_type, [], None)
         if resume is not None and not resume.closed:
             raise ValueError("resume= takes a closed stream; close() it first (a running stream owns its cache).")
@@ -130,7 +131,7 @@ class StreamMixin:
             shape = self._latent_shape(positive.shape[0], 1, height, width)
             inputs = stream_inputs(self, kind, image, image_embeds, control_video, control_mask, conditioning_scale,
                                    video, used, settings.shift, height, width, device, shape[0])
-            engines = cache_engines or self._stream_engines(settings, chunk, positions)
+            engines = cache_engines or self._stream_engines(settings, largest, positions)
             planner = RolloutPlanner(self, positive, negative_prompt_embeds=negative, cache_engines=engines,
                                      generator=generator, image_embeds=inputs.get("image_embeds"),
                                      control_scale=inputs.get("control_scale"),
@@ -138,7 +139,7 @@ class StreamMixin:
                                      attention_kwargs=attention_kwargs, cfg_batch=cfg_batch, **guidance.planner_args())
             session = RolloutSession(planner, sampling, sizes=sizes, latent_shape=(*shape[:2], *shape[3:]),
                                      device=device, chunk_inputs=inputs["chunk_inputs"], keep_window=True,
-                                     recache_frames=chunk)
+                                     recache_frames=largest)
         else:
             session.replan(sizes)
         made = CausalWanStream(session, prompts=prompts, processor=self.video_processor, vae=self.vae,
@@ -152,12 +153,14 @@ class StreamMixin:
                     made.switch_prompt(prompt_embeds=positive)
         return made
 
-    def _stream_sizes(self, num_frames: int | None, chunk: int, resumed: bool):
-        """The chunk plan of a stream: endless, or the latent frames of ``num_frames`` video frames (after frame 0,
-        every latent frame is the VAE's temporal factor more video frames)."""
+    def _stream_sizes(self, num_frames: int | None, chunk: int | list[int], resumed: bool):
+        """The chunk plan of a stream: endless (a list of sizes: those chunks, then its last size for ever), or the
+        latent frames of ``num_frames`` video frames (after frame 0, every latent frame is the VAE's temporal factor
+        more video frames)."""
         scale = self.vae_scale_factor_temporal
         if num_frames is None:
-            return itertools.repeat(chunk)
+            return itertools.repeat(chunk) if isinstance(chunk, int) else itertools.chain(
+                chunk, itertools.repeat(chunk[-1]))
         if not resumed:
             return chunk_schedule((self._video_frames(num_frames) - 1) // scale + 1, chunk)
         if num_frames % scale or num_frames <= 0:
@@ -165,10 +168,10 @@ class StreamMixin:
                              f"positive multiple of {scale}, got {num_frames}.")
         return chunk_schedule(num_frames // scale, chunk)
 
-    def _stream_engines(self, settings: CausalConfig, chunk: int, positions: str) -> dict:
+    def _stream_engines(self, settings: CausalConfig, largest: int, positions: str) -> dict:
         """A fresh rolling engine per branch (and per expert): the config's window (21 latent frames, Self-Forcing's
-        training length, when it names none) and sink."""
-        window = max(settings.window_frames or 21, chunk + settings.sink_frames)
+        training length, when it names none, and at least the largest chunk beside the sink) and sink."""
+        window = max(settings.window_frames or 21, largest + settings.sink_frames)
         maps = [{branch: RollingKVCacheEngine(window, settings.sink_frames, positions=positions)
                  for branch in topology(transformer).branches} for transformer in experts_of(self)]
         return maps[0] if len(maps) == 1 else {"transformer": maps[0], "transformer_2": maps[1]}
