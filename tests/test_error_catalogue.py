@@ -1,4 +1,4 @@
-"""The error catalogue of the README ("## Errors"): every row is triggered here by a real misuse, and the cache is
+"""The error catalogue (the docs' error page, ``docs/errors.md``): every row is triggered here by a real misuse, and the cache is
 checked unchanged afterwards. The table, these cases and the package's ``raise`` statements cannot drift apart:
 every message fragment of the table has a case and every case's fragment is in the table, and every ``raise`` with a
 message in the package contains a fragment of its row."""
@@ -96,7 +96,7 @@ CASES = []
 
 def case(error, fragment, detail=None, cached=True):
     """Register a case: the decorated function builds a state and returns ``(model, trigger)``; ``trigger()`` must
-    raise exactly ``error`` with ``fragment`` (the README row's text) in its message, and ``detail`` (a regex) when
+    raise exactly ``error`` with ``fragment`` (the error page row's text) in its message, and ``detail`` (a regex) when
     given. ``cached``: the state holds committed frames (False where no forward can commit anything)."""
 
     def register(build):
@@ -1699,10 +1699,9 @@ def test_error_leaves_the_cache_unchanged(build, error, fragment, detail, cached
 
 # ---------------------------------------------------------------------------------------------- no drift
 def _catalogue() -> list[tuple[str, list[tuple[str, str]]]]:
-    """(row, [(exception type, message fragment), ...]) for each row of the README's Errors table; a row's first
+    """(row, [(exception type, message fragment), ...]) for each row of the error page's table; a row's first
     cell is ``\\`Type\\`: \\`fragment\\` / \\`fragment\\`; \\`Type\\`: ...``."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "errors.md").read_text()
     rows = []
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -1752,8 +1751,8 @@ def test_readme_rows_and_cases_match():
     documented = [pair for _, fragments in rows for pair in fragments]
     assert len(documented) == len(set(documented)), "a fragment listed twice"
     tested = {(p.values[1].__name__, p.values[2]) for p in CASES}
-    assert sorted(set(documented) - tested) == [], "README rows without a triggering case"
-    assert sorted(tested - set(documented)) == [], "cases whose error is not in the README"
+    assert sorted(set(documented) - tested) == [], "error page rows without a triggering case"
+    assert sorted(tested - set(documented)) == [], "cases whose error is not on the error page"
     ids = [p.id for p in CASES]
     assert len(ids) == len(set(ids))
 
@@ -1764,7 +1763,7 @@ def test_every_raise_in_the_package_has_a_row():
     assert len(raises) > 80
     missing = [(where, kind, text) for where, kind, texts in raises for text in texts
                if not any(kind == k and fragment in text for k, fragment in documented)]
-    assert missing == [], "raises with no README row"
+    assert missing == [], "raises with no row on the error page"
     unused = [(k, fragment) for k, fragment in documented
               if not any(kind == k and fragment in text for _, kind, texts in raises for text in texts)]
-    assert unused == [], "README fragments that no raise in the package contains"
+    assert unused == [], "error page fragments that no raise in the package contains"

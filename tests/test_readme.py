@@ -22,7 +22,7 @@ BLOCKS = python_blocks(README.read_text())
 
 
 def test_every_python_block_is_found_and_every_skip_has_a_reason():
-    assert len(check_blocks(README)) >= 8
+    assert len(check_blocks(README)) >= 3
 
 
 def test_the_extractor_reads_indented_fences_and_skip_markers():
@@ -33,9 +33,15 @@ def test_the_extractor_reads_indented_fences_and_skip_markers():
 
 
 @pytest.mark.parametrize("section", sections(BLOCKS))
-def test_readme_section_runs(section):
+def test_readme_section_runs(section, tmp_path, monkeypatch):
+    # As written, from the repository root (the Quickstart loads models/tiny-sprites and writes an mp4): in a folder
+    # of its own that sees the repository's models.
+    (tmp_path / "models").symlink_to(README.parent / "models")
+    monkeypatch.chdir(tmp_path)
     if run_section(README, BLOCKS, section) == 0:
         pytest.skip("every block of this section is marked as not run")
+    if section == "Quickstart":  # the video it promises
+        assert (tmp_path / "red_ball.mp4").stat().st_size > 0
 
 
 def test_the_package_docstring_usage_runs():
