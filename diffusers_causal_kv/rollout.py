@@ -97,7 +97,7 @@ def causal_rollout(
             frame (the encoded image; default the pipeline's ``config.expand_timesteps``).
         progress: show a tqdm progress bar over chunks.
         continue_cache: keep the cache instead of clearing it, and start at the frame the ``"main"`` engine's
-            ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.streaming.prefill`, a re-cache or an
+            ``"pos"`` tag continues at (after :func:`~diffusers_causal_kv.refill.prefill`, a re-cache or an
             earlier rollout); the per-frame inputs still cover the generated frames only.
         cfg_batch: with guidance, run the ``"pos"`` and ``"neg"`` passes of a chunk as one forward over a batch of
             the two tags (default; see :class:`~diffusers_causal_kv.RolloutPlanner`), ``False`` for two forwards.

@@ -225,7 +225,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
 
     def adopt_tag(self, other: RollingKVCacheEngine, cache_tag: str) -> None:
         """Replace ``cache_tag``'s entries by those ``other`` holds (an :meth:`empty_like` engine of the same branch
-        that served the same transformer); ``other`` loses them. :func:`~diffusers_causal_kv.streaming.recache` builds
+        that served the same transformer); ``other`` loses them. :func:`~diffusers_causal_kv.refill.recache` builds
         the new tag there, so a failure part-way leaves this engine untouched."""
         shape = (self.window_frames, self.sink_frames, self.positions)
         if type(other) is not type(self) or (other.window_frames, other.sink_frames, other.positions) != shape or (
@@ -276,7 +276,7 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
     @contextlib.contextmanager
     def skipping_to(self, frame: int, cache_tag: str):
         """:meth:`skip_to` for the enclosed commits, undone if they raise before committing a frame after it (so a
-        :func:`~diffusers_causal_kv.streaming.prefill` whose first chunk fails leaves the tag as it was)."""
+        :func:`~diffusers_causal_kv.refill.prefill` whose first chunk fails leaves the tag as it was)."""
         info = self._tags.get(cache_tag)
         num_frames, resume = self.num_frames(cache_tag), self._resume_at.get(cache_tag)
         entries = {block_idx: (tags[cache_tag].frames, tags[cache_tag].oldest)
