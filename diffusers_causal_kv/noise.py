@@ -49,11 +49,9 @@ class NoiseSource:
 
     def like(self, x: torch.Tensor) -> torch.Tensor:
         """Fresh noise of ``x``'s shape, dtype and device (the re-noising between few-step steps and of commits)."""
-        if not self.per_sample:
-            return torch.randn(x.shape, generator=self.generator, device=x.device, dtype=x.dtype)
         self.check_batch(x.shape[0])
-        return torch.cat([torch.randn((1, *x.shape[1:]), generator=g, device=x.device, dtype=x.dtype)
-                          for g in self.generator])
+        # randn_tensor draws on a generator's own device (a CPU generator for CUDA latents, as diffusers allows)
+        return randn_tensor(tuple(x.shape), generator=self.generator, device=x.device, dtype=x.dtype)
 
     def state(self) -> list[torch.Tensor]:
         """The generators' states (torch's global CPU generator when none was given), for :meth:`restore`."""

@@ -206,13 +206,21 @@ class RolloutSession:
             self._next_size = next(self._sizes, None)
         return self._next_size
 
-    def replan(self, sizes: Iterable[int], chunk_inputs: Callable | None = None) -> None:
-        """Continue with another chunk plan and its inputs (a resumed stream, a :class:`StreamingRollout`'s
-        ``generate``). A chunk that failed and was not retried is dropped, its random draws given back."""
-        if self._pending is not None:
+    def replan(self, sizes: Iterable[int], chunk_inputs: Callable | None = None, keep_pending: bool = False) -> None:
+        """Continue with another chunk plan (a resumed stream) or with other inputs (a :class:`StreamingRollout`'s
+        ``generate``, given ``chunk_inputs``). A chunk that failed and was not made again is kept first with
+        ``keep_pending`` (its inputs were drawn from the session's own feeds), else dropped and its random draws given
+        back."""
+        if self._pending is not None and not keep_pending:
             self.planner.noise.restore(self._pending[4])
-        self._sizes, self._next_size, self._pending = iter(sizes), None, None
+            self._pending = None
+        self._sizes, self._next_size = iter(sizes), None
         self._chunk_inputs = chunk_inputs if chunk_inputs is not None else self._chunk_inputs
+
+    @property
+    def pending_frames(self) -> int:
+        """Latent frames of a chunk that failed and will be made again first (0 when there is none)."""
+        return 0 if self._pending is None else self._pending[0].size
 
     # ------------------------------------------------------------------------------------------------ chunks
     @torch.no_grad()
@@ -311,9 +319,14 @@ class RolloutSession:
                     "a re-cache prompt switch re-caches text-conditioned streams only (the window's I2V/VACE inputs "
                     "are not kept); switch an I2V or VACE stream with mode='cross'."
                 )
-            built = {tag: recached_engines(self.planner, self._window, tag, new[tag], self.recache_frames,
-                                           self.sampling.context_noise, self.sampling.context_noise_mode)
-                     for tag in filled}
+            random_state = self.planner.noise.state()  # a re-cache that raised is made again with the same draws
+            try:
+                built = {tag: recached_engines(self.planner, self._window, tag, new[tag], self.recache_frames,
+                                               self.sampling.context_noise, self.sampling.context_noise_mode)
+                         for tag in filled}
+            except BaseException:
+                self.planner.noise.restore(random_state)
+                raise
             try:
                 for tag, scratch in built.items():
                     adopt(self.planner, scratch, tag)

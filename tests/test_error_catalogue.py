@@ -1204,7 +1204,56 @@ def stream_resume_with_a_partial_group():
     stream = start()
     next(stream)
     stream.close()
-    return model, lambda: pipe.stream(**args, num_frames=5, resume=stream)
+    return model, lambda: pipe.stream(**args, num_frames=5, resume=stream, output_type="latent")
+
+
+def _resumable(**call):
+    model, start, pipe, args = _stream_call(num_frames=13, **call)
+    stream = start()
+    next(stream)
+    stream.close()
+    return model, pipe, args, stream
+
+
+@case(ValueError, "decodes as the closed one did")
+def stream_resume_with_another_output_kind():
+    model, pipe, args, stream = _resumable()
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, output_type="np")
+
+
+@case(ValueError, "keeps its session's engines", "window_frames")
+def stream_resume_with_other_engines():
+    model, pipe, args, stream = _resumable()
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, output_type="latent", window_frames=3)
+
+
+@case(ValueError, "keeps its session's sampling", "timesteps")
+def stream_resume_with_other_timesteps():
+    model, pipe, args, stream = _resumable()
+    return model, lambda: pipe.stream(**{**args, "timesteps": [1000, 500]}, num_frames=4, resume=stream,
+                                      output_type="latent")
+
+
+@case(ValueError, "keeps its session's guidance")
+def stream_resume_with_other_guidance():
+    model, pipe, args, stream = _resumable()
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, output_type="latent", guidance_scale=3.0)
+
+
+@case(ValueError, "first makes again the chunk", "num_frames=4")
+def stream_resume_with_fewer_frames_than_a_failed_chunk():
+    model, start, pipe, args = _stream_call(num_frames=13, chunk_frames=2)
+    stream = start()
+    next(stream)
+    def busy(*_):
+        raise RuntimeError("a transient error")
+
+    fail = model.register_forward_pre_hook(busy)
+    with pytest.raises(RuntimeError, match="a transient error"):
+        next(stream)  # the chunk of 2 latent frames stays to be made again
+    fail.remove()
+    stream.close()
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, output_type="latent")
 
 
 @case(ValueError, "continues with its own noise")
@@ -1213,7 +1262,8 @@ def stream_resume_with_another_generator():
     stream = start()
     next(stream)
     stream.close()
-    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, generator=torch.Generator())
+    return model, lambda: pipe.stream(**args, num_frames=4, resume=stream, generator=torch.Generator(),
+                                      output_type="latent")
 
 
 @case(ValueError, "are not chunks of this stream", r"\[7\]")

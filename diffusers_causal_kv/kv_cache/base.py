@@ -62,6 +62,7 @@ Errors
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -70,6 +71,8 @@ import torch
 from ..rotary import ChunkRotary, apply_rotary_emb
 from .quantized import kv_storage
 from .records import AttentionKV, CrossEntry, PassInfo, StagedChunk, TagInfo
+
+_WRITES = itertools.count(1)
 
 
 class BaseKVCacheEngine:
@@ -89,7 +92,6 @@ class BaseKVCacheEngine:
         self._self_kv: dict[int, dict[str, Any]] = {}
         self._cross_kv: dict[int, dict[str, CrossEntry]] = {}
         self._tags: dict[str, TagInfo] = {}
-        self._writes = 0
         self._write_stamps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ registration
@@ -129,8 +131,8 @@ class BaseKVCacheEngine:
         return self._write_stamps.get(cache_tag, 0)
 
     def _stamp(self, cache_tag: str) -> None:
-        self._writes += 1
-        self._write_stamps[cache_tag] = self._writes
+        # One counter for every engine: a stamp is never repeated, even by another engine at the same address.
+        self._write_stamps[cache_tag] = next(_WRITES)
 
     def held_frames(self, cache_tag: str) -> list[range]:
         """The absolute frame indices the tag holds, in order (an append-only engine holds every committed frame)."""

@@ -257,13 +257,13 @@ class RollingKVCacheEngine(BaseKVCacheEngine):
             )
         if frame == cached:
             return
-        self._stamp(cache_tag)
         # Also for a tag cropped to fewer frames than its sink: the sink slots would be read as if committed.
         if cached < self.sink_frames:
             raise ValueError(
                 f"cache tag {cache_tag!r} holds {cached} of its {self.sink_frames} sink frames, so skip_to({frame}) "
                 "would leave sink frames missing; commit the whole sink first, or clear the tag."
             )
+        self._stamp(cache_tag)  # checked: the tag moves now
         info = self._tags.get(cache_tag)
         if info is None:
             self._resume_at[cache_tag] = frame

@@ -40,11 +40,16 @@ class PromptEncoder:
         # The stock method reads only tokenizer and text_encoder of the object it is called on.
         return WanPipeline._get_t5_prompt_embeds(self, prompt, 1, self.max_sequence_length, self.device).to(self.dtype)
 
-    def switch(self, prompt, negative_prompt, prompt_embeds: torch.Tensor | None) -> tuple:
+    def switch(self, prompt, negative_prompt, prompt_embeds: torch.Tensor | None,
+               negative_prompt_embeds: torch.Tensor | None = None) -> tuple:
         """``(positive, negative)`` of a prompt switch: the negative is ``None`` (kept as it is) unless a new one is
-        given and guidance runs."""
+        given (as text or embeddings) and guidance runs."""
         positive = self.encode(prompt) if prompt_embeds is None else prompt_embeds.to(self.device, self.dtype)
-        negative = self.encode(negative_prompt) if negative_prompt is not None and self.guided else None
+        negative = None
+        if self.guided and negative_prompt_embeds is not None:
+            negative = negative_prompt_embeds.to(self.device, self.dtype)
+        elif self.guided and negative_prompt is not None:
+            negative = self.encode(negative_prompt)
         return positive, negative
 
 

@@ -98,12 +98,14 @@ class StreamMixin:
                                               context_noise=context_noise, context_noise_mode=context_noise_mode,
                                               guidance_scale=guidance_scale, window_frames=window_frames,
                                               sink_frames=sink_frames)
-        positions = positions or (settings.positions if self.causal_config.window_frames is not None else "relative")
+        windowed = self.causal_config.window_frames is not None
+        given_positions, positions = positions, positions or (settings.positions if windowed else "relative")
         chunk = settings.chunk_frames if chunk_frames is None else chunk_frames
         largest = chunk if isinstance(chunk, int) else max(chunk)  # what a window and a re-cache must hold
         self._check_call(height, width, output_type, [], None)
-        if resume is not None and not resume.closed:
-            raise ValueError("resume= takes a closed stream; close() it first (a running stream owns its cache).")
+        if resume is not None:
+            _check_resume(resume, output_type, dict(cache_engines=cache_engines, window_frames=window_frames,
+                                                    sink_frames=sink_frames, positions=given_positions))
         if not 0 < strength <= 1:
             raise ValueError(f"strength must lie in (0, 1], got {strength!r}.")
         used = [t for t in settings.timesteps if t <= strength * 1000] if video is not None else settings.timesteps
@@ -112,11 +114,27 @@ class StreamMixin:
                              f"to at least {min(settings.timesteps) / 1000}.")
         sampling = Sampling.create(used, settings.shift, settings.context_noise, settings.context_noise_mode)
         guidance = self._guidance_of(settings.guidance_scale, guidance_scale_2)
+        if resume is not None:  # what was given again must be what the session runs
+            given = [name for name, value in (("timesteps", timesteps), ("shift", shift),
+                                               ("strength", None if strength == 1 else strength),
+                                               ("context_noise", context_noise),
+                                               ("context_noise_mode", context_noise_mode)) if value is not None]
+            if given and sampling != resume.session.sampling:
+                raise ValueError(f"a resumed stream keeps its session's sampling; {given} differ from it: drop them.")
+            scales = [e.guidance_scale for e in resume.session.planner.experts]
+            asked = list(guidance.planner_args().values())[:len(scales)]
+            if (guidance_scale is not None or guidance_scale_2 is not None) and asked != scales:
+                raise ValueError(f"a resumed stream keeps its session's guidance {scales}; drop guidance_scale= / "
+                                 "guidance_scale_2=.")
         kind, device, temporal = topology(self.transformer), self._execution_device, self.vae_scale_factor_temporal
         text_only = not (kind.is_vace or kind.is_i2v or takes_condition_latents(self.transformer))
-        sizes = self._stream_sizes(num_frames, chunk, resume is not None)
+        sizes = self._stream_sizes(num_frames, chunk, resume, largest)
         first_index = 0 if resume is None else resume.session.index
-        schedule = _checked_schedule(prompt_schedule, first_index, sizes, prompt_switch, text_only)
+        if resume is not None:  # the closed stream's switches still to come are checked with the new ones
+            prompt_schedule = {**resume._schedule, **(prompt_schedule or {})}
+        # a chunk that failed before the stream was closed is made first: one chunk more
+        extra = 0 if resume is None else int(resume.session.pending_frames > 0)
+        schedule = _checked_schedule(prompt_schedule, first_index, sizes, prompt_switch, text_only, extra)
         if resume is not None:
             session = resume.session
             if generator is not None and generator is not session.planner.noise.generator:
@@ -141,23 +159,25 @@ class StreamMixin:
                                      device=device, chunk_inputs=inputs["chunk_inputs"], keep_window=True,
                                      recache_frames=largest)
         else:
-            session.replan(sizes)
+            session.replan(sizes, keep_pending=True)  # a chunk that failed is made first, from the inputs it drew
         made = CausalWanStream(session, prompts=prompts, processor=self.video_processor, vae=self.vae,
                                output_type=output_type, prompt_schedule=schedule, switch_mode=prompt_switch,
                                temporal=temporal, overlap=device.type == "cuda" if overlap is None else overlap)
         if resume is not None:
             made.take_over(resume)
             if prompt is not None or prompt_embeds is not None:  # a new prompt for the rest: a switch, as any other
-                positive = prompts.switch(prompt, None, prompt_embeds)[0]
-                if not torch.equal(positive, session.prompts[session.planner.cache_tag]):
-                    made.switch_prompt(prompt_embeds=positive)
+                positive, negative = prompts.switch(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds)
+                if not (_same(positive, session.prompts[session.planner.cache_tag])
+                        and (negative is None or _same(negative, session.prompts["neg"]))):
+                    made.switch_prompt(prompt_embeds=positive, negative_prompt_embeds=negative, mode=prompt_switch)
         return made
 
-    def _stream_sizes(self, num_frames: int | None, chunk: int | list[int], resumed: bool):
+    def _stream_sizes(self, num_frames: int | None, chunk: int | list[int], resume, largest: int):
         """The chunk plan of a stream: endless (a list of sizes: those chunks, then its last size for ever), or the
         latent frames of ``num_frames`` video frames (after frame 0, every latent frame is the VAE's temporal factor
-        more video frames)."""
+        more video frames); a resumed stream's chunk that failed is made first and counts among them."""
         scale = self.vae_scale_factor_temporal
+        resumed = resume is not None
         if num_frames is None:
             return itertools.repeat(chunk) if isinstance(chunk, int) else itertools.chain(
                 chunk, itertools.repeat(chunk[-1]))
@@ -166,7 +186,12 @@ class StreamMixin:
         if num_frames % scale or num_frames <= 0:
             raise ValueError(f"a resumed stream continues in groups of {scale} video frames; num_frames must be a "
                              f"positive multiple of {scale}, got {num_frames}.")
-        return chunk_schedule(num_frames // scale, chunk)
+        left = num_frames // scale - resume.session.pending_frames
+        if left < 0:
+            raise ValueError(f"the resumed stream first makes again the chunk of {resume.session.pending_frames} "
+                             f"latent frames that failed; num_frames={num_frames} is fewer video frames than that "
+                             "chunk.")
+        return chunk_schedule(left, chunk) if left else []
 
     def _stream_engines(self, settings: CausalConfig, largest: int, positions: str) -> dict:
         """A fresh rolling engine per branch (and per expert): the config's window (21 latent frames, Self-Forcing's
@@ -177,12 +202,14 @@ class StreamMixin:
         return maps[0] if len(maps) == 1 else {"transformer": maps[0], "transformer_2": maps[1]}
 
 
-def _checked_schedule(schedule: dict | None, first_index: int, sizes, mode: str, text_only: bool) -> dict:
-    """``prompt_schedule``, refused before any work if an entry is not a chunk index of the stream, falls past its
-    end, or asks for a re-cache an I2V / VACE stream cannot make."""
+def _checked_schedule(schedule: dict | None, first_index: int, sizes, mode: str, text_only: bool,
+                      extra: int = 0) -> dict:
+    """``prompt_schedule``, refused before any work if an entry is not a chunk index of the stream (its ``sizes``,
+    after ``extra`` chunks made first), falls past its end, or asks for a re-cache an I2V / VACE stream cannot
+    make."""
     schedule = dict(schedule or {})
     check_switch(mode, can_recache=text_only or not schedule)
-    end = first_index + len(sizes) if isinstance(sizes, list) else None
+    end = first_index + extra + len(sizes) if isinstance(sizes, list) else None
     bad = [k for k in schedule if isinstance(k, bool) or not isinstance(k, int) or k < first_index
            or (end is not None and k >= end)]
     if bad:
@@ -190,3 +217,20 @@ def _checked_schedule(schedule: dict | None, first_index: int, sizes, mode: str,
         raise ValueError(f"prompt_schedule entries {bad} are not chunks of this stream (chunk indices "
                          f"{first_index}{last}); schedule switches within the stream, or stream more frames.")
     return schedule
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b.to(a.device, a.dtype))
+
+
+def _check_resume(resume, output_type: str, engines: dict) -> None:
+    """Refuse a resume that cannot continue ``resume`` as given (a running stream, another kind of output, other
+    engines), before any work."""
+    if not resume.closed:
+        raise ValueError("resume= takes a closed stream; close() it first (a running stream owns its cache).")
+    if (resume._decoder is None) != (output_type == "latent"):
+        raise ValueError("a resumed stream decodes as the closed one did (its VAE cache continues the video): keep "
+                         "output_type 'latent', or a decoded type, as it was.")
+    given = sorted(name for name, value in engines.items() if value is not None)
+    if given:
+        raise ValueError(f"a resumed stream keeps its session's engines; drop {given}.")

@@ -23,6 +23,8 @@ either way (tested on CPU with ``overlap=True``, where the same order runs witho
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -73,7 +75,9 @@ class CausalWanStream:
         self._decoder = StreamingVAEDecoder(vae) if output_type != "latent" else None
         self._schedule, self._switch_mode, self._temporal = dict(prompt_schedule or {}), switch_mode, temporal
         self._pending: tuple | None = None  # a prompt switch to apply before the next chunk
+        self._switching = threading.Lock()  # switch_prompt may come from another thread
         self._ahead: tuple | None = None  # overlap: the next chunk, made while this one was decoded
+        self._undecoded: tuple | None = None  # made (committed) but not handed out yet: its decode failed or runs
         self._ready: StreamChunk | None = None  # a finished chunk to hand out before anything else
         self._began: float | None = None
         self._closed, self._overlap, self._executor = False, overlap, None
@@ -90,9 +94,9 @@ class CausalWanStream:
     def take_over(self, closed: CausalWanStream) -> None:
         """Continue where ``closed`` stopped: its decoder (the VAE's temporal cache), its pending prompt switch and
         schedule, and a chunk it made ahead or had ready (:meth:`CausalWanPipeline.stream` with ``resume=``)."""
-        self._decoder = closed._decoder if self._decoder is not None else None
+        self._decoder = closed._decoder  # its temporal cache continues the video (the output types agree)
         self._pending, self._ahead, self._ready = closed._pending, closed._ahead, closed._ready
-        self._schedule = {**closed._schedule, **self._schedule}
+        self._undecoded, self._began = closed._undecoded, closed._began
 
     @property
     def closed(self) -> bool:
@@ -107,15 +111,17 @@ class CausalWanStream:
             self._executor = None
 
     def switch_prompt(self, prompt: str | None = None, negative_prompt: str | None = None, *,
-                      prompt_embeds: torch.Tensor | None = None, mode: str | None = None) -> None:
+                      prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+                      mode: str | None = None) -> None:
         """Use a new prompt from the next chunk on: ``mode="recache"`` re-caches the window under it (LongLive),
         ``"cross"`` only swaps the cross-attention entries (default: the stream's ``prompt_switch``). The negative
-        prompt is kept unless ``negative_prompt`` is given."""
+        prompt is kept unless ``negative_prompt`` (or ``negative_prompt_embeds``) is given."""
         mode = mode or self._switch_mode
         check_switch(mode, can_recache=self.session.can_recache)
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("switch_prompt takes a prompt or prompt_embeds (one of the two).")
-        self._pending = (prompt, negative_prompt, prompt_embeds, mode)
+        with self._switching:
+            self._pending = (prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, mode)
 
     @torch.no_grad()
     def __next__(self) -> StreamChunk:
@@ -124,20 +130,29 @@ class CausalWanStream:
         if self._ready is not None:
             ready, self._ready = self._ready, None
             return ready
-        made = self._ahead if self._ahead is not None else self._make()
-        self._ahead = None
-        if made is None:
-            self._closed = True
-            raise StopIteration
+        if self._undecoded is None:
+            made = self._ahead if self._ahead is not None else self._make()
+            self._ahead = None
+            if made is None:
+                self._closed = True
+                raise StopIteration
+            self._undecoded = made  # committed: kept until handed out, also when its decode raises
+        made = self._undecoded
         if not self._overlap or self._decoder is None:
-            return self._finish(made, self._decode(made[0].latents))
+            return self._hand_out(made, self._decode(made[0].latents))
         decoding = self._worker().submit(self._decode, made[0].latents)  # while the transformer makes the next
         try:
-            self._ahead = self._make()
+            if self._ahead is None:
+                self._ahead = self._make()
         except BaseException:
-            self._ready = self._finish(made, decoding.result())  # made and decoded: handed out next, not lost
+            with contextlib.suppress(Exception):  # the forward's error is the one raised; a decode error waits
+                self._ready = self._hand_out(made, decoding.result())  # made and decoded: handed out next
             raise
-        return self._finish(made, decoding.result())
+        return self._hand_out(made, decoding.result())
+
+    def _hand_out(self, made: tuple[SessionChunk, float], frames) -> StreamChunk:
+        self._undecoded = None
+        return self._finish(made, frames)
 
     def _finish(self, made: tuple[SessionChunk, float], frames) -> StreamChunk:
         piece, began = made
@@ -159,15 +174,25 @@ class CausalWanStream:
         return self.session.step(), began
 
     def _apply_switch(self) -> None:
+        """The switches due before the next chunk: its scheduled one, then one asked for with :meth:`switch_prompt`.
+        Each is dropped only once applied, so a switch that raised is applied again on the retry, and one asked for
+        from another thread meanwhile is kept."""
         index = self.session.index
         if index in self._schedule:
-            self._pending = (self._schedule.pop(index), None, None, self._switch_mode)
-        if self._pending is None:
+            self._switch(self._schedule[index])
+            del self._schedule[index]
+        with self._switching:
+            taken = self._pending
+        if taken is None:
             return
-        prompt, negative_prompt, embeds, mode = self._pending
-        positive, negative = self._prompts.switch(prompt, negative_prompt, embeds)
-        self.session.switch_prompt(positive, negative, mode=mode)
-        self._pending = None  # only once applied: a switch that raised is applied again on the retry
+        self._switch(*taken)
+        with self._switching:
+            if self._pending is taken:
+                self._pending = None
+
+    def _switch(self, prompt, negative_prompt=None, embeds=None, negative_embeds=None, mode=None) -> None:
+        positive, negative = self._prompts.switch(prompt, negative_prompt, embeds, negative_embeds)
+        self.session.switch_prompt(positive, negative, mode=mode or self._switch_mode)
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:

@@ -4,6 +4,7 @@ package docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator
 
@@ -84,6 +85,18 @@ class _CausalVAEStream:
         self._settings = None
         self._caches = {}  # (lane, tile row, tile column) -> the feature cache list of that lane and tile
         self._latent_frames = 0
+
+    @contextlib.contextmanager
+    def _step(self):
+        """One decode / encode call, all or nothing: a call that raises leaves the stream as it was, so it can be made
+        again (the VAE replaces cache slots with new tensors and never writes into a cached one)."""
+        saved = self.__dict__.copy(), {key: list(cache) for key, cache in self._caches.items()}
+        try:
+            yield
+        except BaseException:
+            self.__dict__.update(saved[0])
+            self._caches = saved[1]
+            raise
 
     @property
     def latent_frames(self) -> int:

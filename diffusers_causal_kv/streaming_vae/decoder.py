@@ -28,27 +28,28 @@ class StreamingVAEDecoder(_CausalVAEStream):
             ``spatial_compression_ratio``), in ``[-1, 1]``, in the VAE's dtype, as ``vae.decode(...).sample`` gives
             them: 1 + 4 * (frames - 1) video frames on the stream's first call, 4 * frames after.
         """
-        vae = self.vae
-        z_dim = vae.config.z_dim
-        if not isinstance(latents, torch.Tensor) or latents.ndim != 5 or latents.shape[1] != z_dim:
-            got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
-            raise ValueError(
-                f"StreamingVAEDecoder.decode() takes the pipeline's normalised latents [batch, {z_dim}, frames, "
-                f"height, width], got {got}; pass the transformer's latents (the rollout's output) as they are")
-        height, width = latents.shape[-2:]
-        ratio = vae.spatial_compression_ratio
-        tiled = vae.use_tiling and (width > vae.tile_sample_min_width // ratio
-                                    or height > vae.tile_sample_min_height // ratio)
-        self._check_settings(latents, tiled)
-        if latents.shape[2] == 0:
-            return latents.new_empty(latents.shape[0], _video_channels(vae, vae.config.out_channels), 0,
-                                     height * ratio, width * ratio, dtype=vae.dtype)
-        self._onload()
-        z = self._unnormalise(latents)
-        decode = self._decode_tiled if tiled else self._decode_plain
-        video = torch.cat([decode(lane_z, lane) for lane, lane_z in enumerate(self._lanes(z))])
-        self._latent_frames += latents.shape[2]
-        return video
+        with self._step():  # all or nothing: a call that raises can be made again
+            vae = self.vae
+            z_dim = vae.config.z_dim
+            if not isinstance(latents, torch.Tensor) or latents.ndim != 5 or latents.shape[1] != z_dim:
+                got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+                raise ValueError(
+                    f"StreamingVAEDecoder.decode() takes the pipeline's normalised latents [batch, {z_dim}, frames, "
+                    f"height, width], got {got}; pass the transformer's latents (the rollout's output) as they are")
+            height, width = latents.shape[-2:]
+            ratio = vae.spatial_compression_ratio
+            tiled = vae.use_tiling and (width > vae.tile_sample_min_width // ratio
+                                        or height > vae.tile_sample_min_height // ratio)
+            self._check_settings(latents, tiled)
+            if latents.shape[2] == 0:
+                return latents.new_empty(latents.shape[0], _video_channels(vae, vae.config.out_channels), 0,
+                                         height * ratio, width * ratio, dtype=vae.dtype)
+            self._onload()
+            z = self._unnormalise(latents)
+            decode = self._decode_tiled if tiled else self._decode_plain
+            video = torch.cat([decode(lane_z, lane) for lane, lane_z in enumerate(self._lanes(z))])
+            self._latent_frames += latents.shape[2]
+            return video
 
     def _unnormalise(self, latents: torch.Tensor) -> torch.Tensor:
         """Exactly the stock ``WanPipeline`` before ``vae.decode``: ``latents / (1 / std) + mean`` in the VAE dtype."""

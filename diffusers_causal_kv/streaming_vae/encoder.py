@@ -49,44 +49,45 @@ class StreamingVAEEncoder(_CausalVAEStream):
             The normalised latents of the latent frames completed by this call, ``[batch, z_dim, n, H / s, W / s]``
             (``s`` the VAE's ``spatial_compression_ratio``) in the VAE's dtype; ``n`` may be 0.
         """
-        vae = self.vae
-        channels = _video_channels(vae, vae.config.in_channels)
-        if not isinstance(frames, torch.Tensor) or frames.ndim != 5 or frames.shape[1] != channels:
-            got = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
-            raise ValueError(
-                f"StreamingVAEEncoder.encode() takes video frames [batch, {channels}, frames, height, width] in "
-                f"[-1, 1], got {got}; pass VideoProcessor.preprocess_video(...) output, channels first")
-        if sample_mode not in ("argmax", "sample"):
-            raise ValueError(f"sample_mode must be 'argmax' or 'sample', got {sample_mode!r}")
-        height, width = frames.shape[-2:]
-        tiled = vae.use_tiling and (width > vae.tile_sample_min_width or height > vae.tile_sample_min_height)
-        self._check_settings(frames, tiled)
+        with self._step():  # all or nothing: a call that raises can be made again
+            vae = self.vae
+            channels = _video_channels(vae, vae.config.in_channels)
+            if not isinstance(frames, torch.Tensor) or frames.ndim != 5 or frames.shape[1] != channels:
+                got = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+                raise ValueError(
+                    f"StreamingVAEEncoder.encode() takes video frames [batch, {channels}, frames, height, width] in "
+                    f"[-1, 1], got {got}; pass VideoProcessor.preprocess_video(...) output, channels first")
+            if sample_mode not in ("argmax", "sample"):
+                raise ValueError(f"sample_mode must be 'argmax' or 'sample', got {sample_mode!r}")
+            height, width = frames.shape[-2:]
+            tiled = vae.use_tiling and (width > vae.tile_sample_min_width or height > vae.tile_sample_min_height)
+            self._check_settings(frames, tiled)
 
-        frames = frames.to(get_module_execution_device(vae), dtype=vae.dtype)
-        if self._pending is not None:
-            frames = torch.cat([self._pending, frames], dim=2)
-        groups, start = [], 0
-        if self._latent_frames == 0 and frames.shape[2] > 0:
-            groups, start = [(0, 1)], 1
-        while frames.shape[2] - start >= 4:
-            groups.append((start, start + 4))
-            start += 4
-        # a copy, so that the stream keeps at most 3 frames, never the caller's whole tensor
-        self._pending = frames[:, :, start:].clone() if start < frames.shape[2] else None
-        ratio = vae.spatial_compression_ratio
-        if not groups:
-            return frames.new_empty(frames.shape[0], vae.config.z_dim, 0, height // ratio, width // ratio)
+            frames = frames.to(get_module_execution_device(vae), dtype=vae.dtype)
+            if self._pending is not None:
+                frames = torch.cat([self._pending, frames], dim=2)
+            groups, start = [], 0
+            if self._latent_frames == 0 and frames.shape[2] > 0:
+                groups, start = [(0, 1)], 1
+            while frames.shape[2] - start >= 4:
+                groups.append((start, start + 4))
+                start += 4
+            # a copy, so that the stream keeps at most 3 frames, never the caller's whole tensor
+            self._pending = frames[:, :, start:].clone() if start < frames.shape[2] else None
+            ratio = vae.spatial_compression_ratio
+            if not groups:
+                return frames.new_empty(frames.shape[0], vae.config.z_dim, 0, height // ratio, width // ratio)
 
-        self._onload()
-        x = frames[:, :, :start]
-        if vae.config.patch_size is not None:
-            x = autoencoder_kl_wan.patchify(x, patch_size=vae.config.patch_size)
-        encode = self._encode_tiled if tiled else self._encode_plain
-        moments = torch.cat([encode(lane_x, lane, groups) for lane, lane_x in enumerate(self._lanes(x))])
-        self._latent_frames += len(groups)
-        posterior = DiagonalGaussianDistribution(moments)
-        latents = posterior.mode() if sample_mode == "argmax" else posterior.sample(generator)
-        return self._normalise(latents)
+            self._onload()
+            x = frames[:, :, :start]
+            if vae.config.patch_size is not None:
+                x = autoencoder_kl_wan.patchify(x, patch_size=vae.config.patch_size)
+            encode = self._encode_tiled if tiled else self._encode_plain
+            moments = torch.cat([encode(lane_x, lane, groups) for lane, lane_x in enumerate(self._lanes(x))])
+            self._latent_frames += len(groups)
+            posterior = DiagonalGaussianDistribution(moments)
+            latents = posterior.mode() if sample_mode == "argmax" else posterior.sample(generator)
+            return self._normalise(latents)
 
     def encode_iter(self, frames: Iterable[torch.Tensor], sample_mode: str = "argmax",
                     generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
