@@ -1,7 +1,7 @@
 """The error catalogue (the docs' error page, ``docs/errors.md``): every row is triggered here by a real misuse, and
-the cache is checked unchanged afterwards. The table, these cases and the package's ``raise`` statements cannot drift apart:
-every message fragment of the table has a case and every case's fragment is in the table, and every ``raise`` with a
-message in the package contains a fragment of its row."""
+the cache is checked unchanged afterwards. The table, these cases and the package's ``raise`` statements cannot drift
+apart: every message fragment of the table has a case and every case's fragment is in the table, and every ``raise``
+with a message in the package contains a fragment of its row."""
 
 from __future__ import annotations
 
