@@ -13,6 +13,16 @@ from diffusers_causal_kv import CausalConfig, CausalWanPipeline, RollingKVCacheE
 from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
 
 
+def _fails_once(pipe, stream, at: int) -> None:
+    """``next(stream)`` with the transformer's ``at``-th forward of it raising (a transient error)."""
+    handle = pipe.transformer.register_forward_pre_hook(_FailOnce(at), with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="transient device error"):
+            next(stream)
+    finally:
+        handle.remove()
+
+
 def _drain(stream):
     got, errors = [], 0
     while True:
@@ -84,13 +94,7 @@ def test_resume_after_a_failed_chunk_of_a_v2v_stream_equals_undisturbed():
     first = pipe.stream(**_args(**extra), num_frames=FRAMES, generator=_seed(2), cache_engines=_engines(pipe),
                         output_type="latent")
     head = [next(first)]
-    fault = _FailOnce(1)
-    handle = pipe.transformer.register_forward_pre_hook(fault, with_kwargs=True)
-    try:
-        with pytest.raises(RuntimeError):
-            next(first)
-    finally:
-        handle.remove()
+    _fails_once(pipe, first, at=1)
     first.close()
     rest = list(pipe.stream(**_args(), num_frames=8, resume=first, output_type="latent"))  # chunk 1 only
     assert [c.index for c in head + rest] == [0, 1]
@@ -150,13 +154,7 @@ def test_recache_switch_retry_with_renoise_equals_undisturbed(mode):
     expected = _latents(pipe.stream(**_args(**common), generator=_seed(3), cache_engines=_engines(pipe)))
     stream = pipe.stream(**_args(**common), generator=_seed(3), cache_engines=_engines(pipe))
     got = [next(stream), next(stream)]  # forwards 1..8 (3 steps + commit per chunk)
-    fault = _FailOnce(2)  # the second commit pass of the re-cache before chunk 2
-    handle = pipe.transformer.register_forward_pre_hook(fault, with_kwargs=True)
-    try:
-        with pytest.raises(RuntimeError):
-            next(stream)
-    finally:
-        handle.remove()
+    _fails_once(pipe, stream, at=2)  # the second commit pass of the re-cache before chunk 2
     got += list(stream)
     assert [c.index for c in got] == [0, 1, 2]
     torch.testing.assert_close(_latents(got), expected, rtol=0, atol=0)
@@ -168,13 +166,7 @@ def test_overlap_fault_then_close_and_resume():
     expected = list(pipe.stream(**_args(), num_frames=FRAMES, generator=_seed(7), cache_engines=_engines(pipe)))
     stream = pipe.stream(**_args(), num_frames=FRAMES, generator=_seed(7), cache_engines=_engines(pipe),
                          overlap=True)
-    fault = _FailOnce(5)  # chunk 1, made ahead while chunk 0 is handed out
-    handle = pipe.transformer.register_forward_pre_hook(fault, with_kwargs=True)
-    try:
-        with pytest.raises(RuntimeError):
-            next(stream)
-    finally:
-        handle.remove()
+    _fails_once(pipe, stream, at=5)  # chunk 1, made ahead while chunk 0 is handed out
     got = [next(stream)]  # chunk 0 (ready)
     stream.close()
     got += list(pipe.stream(**_args(), num_frames=16, resume=stream, overlap=True))
