@@ -159,8 +159,12 @@ def test_a_chunk_that_raised_is_made_again_with_the_same_noise(overlap, at):
     assert fault.fired and errors == 1
     assert [c.index for c in got] == [0, 1, 2]
     assert [c.latent_frames for c in got] == [c.latent_frames for c in expected]
-    np.testing.assert_array_equal(np.concatenate([c.frames for c in got], axis=1),
-                                  np.concatenate([c.frames for c in expected], axis=1))
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, expected))
+    # With overlap the CPU decode runs on a worker thread beside the transformer or alone (after a fault): intra-op
+    # threads may split its reductions differently, a last-bit difference in the frames.
+    np.testing.assert_allclose(np.concatenate([c.frames for c in got], axis=1),
+                               np.concatenate([c.frames for c in expected], axis=1), rtol=0,
+                               atol=1e-6 if overlap else 0)
 
 
 # 6: a stream refuses to continue on engines another caller wrote ---------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from test_sessions import FRAMES, TIMESTEPS, _args, _embeds, _engines, _FailOnce, _frames, _latents, _pipe, _seed
@@ -57,7 +58,10 @@ def test_decode_error_loses_no_chunk(overlap):
     assert errors == 1
     assert [c.index for c in got] == [0, 1, 2]
     for a, b in zip(got, expected):  # decoded again from the VAE cache as it was before the failed call
-        assert (a.frames == b.frames).all()
+        assert torch.equal(a.latents, b.latents)
+        # With overlap the CPU decode runs on a worker thread beside the transformer (or, on the retry, alone):
+        # intra-op threads split its reductions differently, a last-bit difference (seen: 3e-8).
+        np.testing.assert_allclose(a.frames, b.frames, rtol=0, atol=1e-6 if overlap else 0)
 
 
 # B: a switch asked for (from another thread) while the previous switch is being applied is lost
