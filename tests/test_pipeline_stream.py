@@ -214,5 +214,7 @@ def test_overlap_gives_the_same_frames_with_one_chunk_of_lookahead():
     stream.close()
     rest = list(pipe.stream(**_args(), num_frames=8, resume=stream, overlap=True))
     assert [c.index for c in [first, *rest]] == [0, 1, 2]
-    np.testing.assert_array_equal(np.concatenate([c.frames for c in [first, *rest]], axis=1),
-                                  np.concatenate([c.frames for c in plain], axis=1))
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip([first, *rest], plain))
+    # On a CPU the overlapped decode runs on a worker thread: its reductions may split differently (last bit).
+    np.testing.assert_allclose(np.concatenate([c.frames for c in [first, *rest]], axis=1),
+                               np.concatenate([c.frames for c in plain], axis=1), rtol=0, atol=1e-6)
