@@ -211,11 +211,16 @@ class RolloutSession:
         ``generate``, given ``chunk_inputs``). A chunk that failed and was not made again is kept first with
         ``keep_pending`` (its inputs were drawn from the session's own feeds), else dropped and its random draws given
         back."""
-        if self._pending is not None and not keep_pending:
-            self.planner.noise.restore(self._pending[4])
-            self._pending = None
+        if not keep_pending:
+            self._drop_pending()
         self._sizes, self._next_size = iter(sizes), None
         self._chunk_inputs = chunk_inputs if chunk_inputs is not None else self._chunk_inputs
+
+    def _drop_pending(self) -> None:
+        """Forget a chunk that failed and was not made again, giving back its random draws."""
+        if self._pending is not None:
+            self.planner.noise.restore(self._pending[4])
+            self._pending = None
 
     @property
     def pending_frames(self) -> int:
@@ -238,13 +243,10 @@ class RolloutSession:
         planner = self.planner if self._chunk_inputs is None else self.planner.with_frames(**inputs)
         planner.noise.restore(random_state)  # a retry draws what the failed attempt drew
         began = time.perf_counter()
-        try:
-            step = None if on_step is None else (lambda i, t, z: on_step(chunk, i, t, z))
-            x = denoise_chunk(planner, x, chunk, self.sampling, step)
-            x = planner.with_first_frame(x, chunk)  # TI2V image-to-video: frame 0 is the image
-            planner.commit(x, chunk, self.sampling.context_noise, self.sampling.context_noise_mode)
-        finally:
-            self._stamps = self._read_stamps()  # this session's own writes (an aborted commit moves stamps too)
+        step = None if on_step is None else (lambda i, t, z: on_step(chunk, i, t, z))
+        x = denoise_chunk(planner, x, chunk, self.sampling, step)
+        x = planner.with_first_frame(x, chunk)  # TI2V image-to-video: frame 0 is the image
+        self._commit(planner, x, chunk)
         _synchronize(x)
         self._pending = None
         if self._keep_window:
@@ -258,15 +260,21 @@ class RolloutSession:
         """Continue with the given clean latents instead of generating (commit passes only), chunk by chunk, each
         kept at once; ``per_frame``: the I2V / VACE inputs of the same frames."""
         self.check_unchanged()
+        self._drop_pending()  # a chunk that failed before would now start at a frame the clip takes
         planner = self.planner.with_frames(**per_frame)
         for chunk in planner.plan(latents, chunk_frames, self.next_frame, given="latents"):
             part = latents[:, :, chunk.offset:chunk.offset + chunk.size]
-            try:
-                planner.commit(part, chunk, self.sampling.context_noise, self.sampling.context_noise_mode)
-            finally:
-                self._stamps = self._read_stamps()
+            self._commit(planner, part, chunk)
             if self._keep_window:
                 self._remember(chunk.frame, part)
+
+    def _commit(self, planner: RolloutPlanner, x: torch.Tensor, chunk: Chunk) -> None:
+        """Commit a clean chunk on every tag, then take the stamps of this session's own write (also when it raised:
+        an aborted commit moves stamps too)."""
+        try:
+            planner.commit(x, chunk, self.sampling.context_noise, self.sampling.context_noise_mode)
+        finally:
+            self._stamps = self._read_stamps()
 
     def __iter__(self):
         while (made := self.step()) is not None:

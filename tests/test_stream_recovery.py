@@ -253,3 +253,22 @@ def test_control_v2v_retry_without_resume_is_exact():  # passes: the loss is in 
         handle.remove()
     assert errors == 1
     torch.testing.assert_close(_latents(got), _latents(whole), rtol=0, atol=0)
+
+
+
+def test_a_prefill_after_a_failed_chunk_continues_where_the_cache_is():
+    """A session's prefill after a chunk failed: the failed chunk is dropped (its draws given back), the clip is
+    committed where the cache is, and the next chunk equals the one an undisturbed session makes after that clip."""
+    pipe = _pipe()
+    clip = torch.randn(1, 16, 2, 4, 4, generator=_seed(9))
+    results = []
+    for fail in (True, False):
+        stream = pipe.stream(**_args(), num_frames=FRAMES, generator=_seed(1), cache_engines=_engines(pipe),
+                             output_type="latent")
+        next(stream)
+        if fail:
+            _fails_once(pipe, stream, at=2)
+        stream.session.prefill(clip, 2)
+        results.append(next(stream))
+        assert results[-1].latent_frames == range(4, 6)
+    assert torch.equal(results[0].latents, results[1].latents)
