@@ -11,6 +11,8 @@
 * ``_HELD_COMMITS`` collects the commits of a ``commits_together()`` block.
 * ``_CFG_RANKS`` holds the ``CFGAcrossRanks`` of an open ``with CFGAcrossRanks(group):`` block (guidance split across
   ranks), read by the rollout planner.
+* ``_GATHERER`` holds what takes this thread's cached forwards to run them in one batch with other sessions' (the
+  scheduler of ``serve.batching``), read by the model-layer hook.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _OPEN_CONTEXTS: ContextVar[Mapping[int, Any]] = ContextVar("causal_kv_open_conte
 _RUNNING_PASS: ContextVar[Any] = ContextVar("causal_kv_running_pass", default=None)
 _HELD_COMMITS: ContextVar[Any] = ContextVar("causal_kv_held_commits", default=None)
 _CFG_RANKS: ContextVar[Any] = ContextVar("causal_kv_cfg_ranks", default=None)
+_GATHERER: ContextVar[Any] = ContextVar("causal_kv_forward_gatherer", default=None)
 _COMPILED_PASS = threading.local()
 
 
@@ -95,3 +98,19 @@ def using_cfg_ranks(cfg) -> Token:
 
 def release_cfg_ranks(token: Token) -> None:
     _CFG_RANKS.reset(token)
+
+
+def forward_gatherer():
+    """The callable that runs this thread's cached forwards, maybe in a batch with other sessions' forwards, or
+    ``None`` (each forward runs on its own)."""
+    return _GATHERER.get()
+
+
+@contextlib.contextmanager
+def gathering(gatherer):
+    """Hand the cached forwards of the enclosed code to ``gatherer``."""
+    token = _GATHERER.set(gatherer)
+    try:
+        yield
+    finally:
+        _GATHERER.reset(token)

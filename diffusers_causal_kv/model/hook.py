@@ -15,11 +15,12 @@ import weakref
 import torch
 from diffusers.hooks import ModelHook
 
-from ..ambient import current_context, nothing_published, publishing
+from ..ambient import current_context, forward_gatherer, nothing_published, publishing
 from ..kv_cache import PassInfo
 from ..sharding import row_split
 from .checkpointing import route_checkpointing
 from .forward_pass import ForwardPass, conditioning_fingerprint
+from .gather import GatheredForward
 from .topology import projection_state, topology
 from .validation import (
     check_forward_inputs,
@@ -71,10 +72,15 @@ class CausalForwardHook(ModelHook):
                 return self.fn_ref.original_forward(*args, **kwargs)
         if context.store_kv:
             _refuse_block_skipping_hooks(module)
-        p = build_forward_pass(module, context, self._signature.bind(*args, **kwargs).arguments)
+        inputs = self._signature.bind(*args, **kwargs).arguments
+        p = build_forward_pass(module, context, inputs)
         route_checkpointing(module)
-        with p.running():
-            output = self.fn_ref.original_forward(*args, **kwargs)
+        gatherer = forward_gatherer()
+        if gatherer is None:
+            with p.running():
+                output = self.fn_ref.original_forward(*args, **kwargs)
+        else:  # validated here, in the caller's thread; maybe run in one batch with other sessions' forwards
+            output = gatherer(GatheredForward(module, inputs, p, self.fn_ref.original_forward))
         p.commit()
         return output
 
