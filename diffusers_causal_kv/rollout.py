@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .causal_config import DEFAULTS
 from .masks import chunk_schedule
 from .planner import RolloutPlanner
+from .rolling_forcing import make_session
 from .session import RolloutSession, Sampling
 
 
@@ -66,6 +67,7 @@ def causal_rollout(
     progress: bool = True,
     continue_cache: bool = False,
     cfg_batch: bool = True,
+    sampler: str = DEFAULTS.sampler,
 ) -> RolloutOutput:
     """Generate ``noise.shape[2]`` latent frames chunk by chunk with the KV cache.
 
@@ -101,6 +103,8 @@ def causal_rollout(
             earlier rollout); the per-frame inputs still cover the generated frames only.
         cfg_batch: with guidance, run the ``"pos"`` and ``"neg"`` passes of a chunk as one forward over a batch of
             the two tags (default; see :class:`~diffusers_causal_kv.RolloutPlanner`), ``False`` for two forwards.
+        sampler: ``"chunkwise"`` (each chunk through every timestep, then committed) or ``"rolling_forcing"`` (a
+            window of as many chunks as timesteps denoised jointly, :mod:`~diffusers_causal_kv.rolling_forcing`).
     """
     planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
@@ -109,10 +113,11 @@ def causal_rollout(
                              attention_kwargs=attention_kwargs, guidance_scale_2=guidance_scale_2,
                              boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps,
                              first_frame_latents=first_frame_latents, cfg_batch=cfg_batch)
-    sampling = Sampling.create(timesteps, shift, context_noise, context_noise_mode, scheduler, num_inference_steps)
+    sampling = Sampling.create(timesteps, shift, context_noise, context_noise_mode, scheduler, num_inference_steps,
+                               sampler)
     sizes = chunk_schedule(noise.shape[2], chunk_frames)
-    session = RolloutSession(planner, sampling, sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device,
-                             latents=noise, continue_cache=continue_cache)
+    session = make_session(planner, sampling, sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device,
+                           latents=noise, continue_cache=continue_cache)
     made = list(tqdm(session, total=len(sizes), desc="causal rollout", unit="chunk", disable=not progress))
     return RolloutOutput(latents=torch.cat([m.latents for m in made], dim=2), chunk_sizes=sizes,
                          chunk_seconds=[m.seconds for m in made])
@@ -137,6 +142,7 @@ def self_forcing_rollout(
     cache_engines: dict | None = None,
     generator: torch.Generator | None = None,
     progress: bool = False,
+    context_latents: torch.Tensor | None = None,
 ) -> RolloutOutput:
     """The Self-Forcing training rollout: few-step causal generation in which each chunk keeps gradients for one
     denoising step only, ready for a DMD-style loss on ``latents``.
@@ -157,20 +163,29 @@ def self_forcing_rollout(
             on the last frames of a long rollout only).
         context_noise_mode: ``"renoise"`` by default here, as Self-Forcing's training re-noises the clean chunk to
             ``context_noise`` before committing it; ``"label"`` commits it clean with that timestep label.
+        context_latents: clean latents ``[batch, channels, frames, height, width]`` of a real clip's first frames,
+            committed (without gradients) before the rollout, so that the generated chunks continue them: the
+            rollout then starts at frame ``context_latents.shape[2]`` and a loss can compare its chunks with the
+            clip's own continuation (text-conditioned models; ``chunk_frames`` plans the context and the generated
+            frames together, and the context must end on a chunk boundary).
 
     Returns:
-        :class:`RolloutOutput` whose ``latents`` carry the autograd graph and whose ``exit_steps`` give each chunk's
-        exit step (the DMD loss needs the timestep it exited at).
+        :class:`RolloutOutput` whose ``latents`` (the generated frames only) carry the autograd graph and whose
+        ``exit_steps`` give each chunk's exit step (the DMD loss needs the timestep it exited at).
     """
     planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
                              condition_latents=condition_latents, control_latents=control_latents,
                              control_scale=control_scale, cache_engines=cache_engines, generator=generator)
-    sizes = chunk_schedule(noise.shape[2], chunk_frames)
+    context_sizes, sizes = _context_plan(planner, noise, context_latents, chunk_frames)
     exits = _exit_steps(exit_step, len(timesteps), len(sizes), generator)
-    sigmas = Sampling.create(timesteps, shift, context_noise, context_noise_mode).sigmas
-    RolloutSession(planner, Sampling(sigmas), sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device)
-    chunks = planner.plan(noise, sizes)  # checked and cleared by the session; its gradient loop is this one
+    sampling = Sampling.create(timesteps, shift, context_noise, context_noise_mode)
+    sigmas = sampling.sigmas
+    session = RolloutSession(planner, sampling, sizes=context_sizes + sizes, latent_shape=_latent_shape(noise),
+                             device=noise.device)  # checks the whole plan, then clears
+    if context_sizes:
+        session.prefill(context_latents, context_sizes)
+    chunks = planner.plan(noise, sizes, session.next_frame)  # the session's gradient loop is this one
     outputs, seconds = [], []
     for chunk, exit_at in zip(tqdm(chunks, desc="self-forcing rollout", unit="chunk", disable=not progress), exits):
         began = time.perf_counter()
@@ -185,6 +200,28 @@ def self_forcing_rollout(
         outputs.append(x0)
     return RolloutOutput(latents=torch.cat(outputs, dim=2), chunk_sizes=[c.size for c in chunks],
                          chunk_seconds=seconds, exit_steps=exits)
+
+
+def _context_plan(planner: RolloutPlanner, noise: torch.Tensor, context: torch.Tensor | None,
+                  chunk_frames: int | Sequence[int]) -> tuple[list[int], list[int]]:
+    """The chunk sizes of the clean context and of the generated frames (one plan over both)."""
+    if context is None:
+        return [], chunk_schedule(noise.shape[2], chunk_frames)
+    if any(v is not None for v in planner.per_frame.values()):
+        raise ValueError("context_latents works with text-conditioned models only: the I2V/VACE per-frame inputs "
+                         "cover the generated frames. Commit the context with prefill() and roll out with "
+                         "causal_rollout(..., continue_cache=True), or drop context_latents.")
+    if context.shape[:2] != noise.shape[:2] or context.shape[3:] != noise.shape[3:]:
+        raise ValueError(f"context_latents {tuple(context.shape)} must match noise {tuple(noise.shape)} in every "
+                         "dimension but frames (dim 2).")
+    sizes = chunk_schedule(context.shape[2] + noise.shape[2], chunk_frames)
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    if context.shape[2] not in ends:
+        raise ValueError(f"context_latents has {context.shape[2]} frames, which do not end on a chunk boundary of "
+                         f"the plan {sizes} (context and generated frames together); pass a context of one of "
+                         f"{ends[:-1]} frames or other chunk_frames.")
+    split = ends.index(context.shape[2]) + 1
+    return sizes[:split], sizes[split:]
 
 
 def _exit_steps(exit_step, num_steps: int, num_chunks: int, generator) -> list[int]:

@@ -905,6 +905,25 @@ def exit_step_out_of_range():
     return model, lambda: self_forcing_rollout(model, _x(2), text, exit_step=2, timesteps=(1000, 500))
 
 
+@case(ValueError, "context_latents works with text-conditioned models only", "prefill()")
+def context_prefix_on_vace():
+    model, text = _vace()
+    return model, lambda: self_forcing_rollout(model, _x(2), text, chunk_frames=1, control_latents=_control(2),
+                                               context_latents=_x(1))
+
+
+@case(ValueError, "must match noise", "dimension but frames")
+def context_prefix_of_another_shape():
+    model, text = _t2v()
+    return model, lambda: self_forcing_rollout(model, _x(2), text, chunk_frames=1, context_latents=_x(1, batch=2))
+
+
+@case(ValueError, "do not end on a chunk boundary", r"pass a context of one of \[2\]")
+def context_prefix_inside_a_chunk():
+    model, text = _t2v()
+    return model, lambda: self_forcing_rollout(model, _x(3), text, chunk_frames=2, context_latents=_x(1))
+
+
 @case(ValueError, "timesteps is empty", "at least one timestep")
 def rollout_without_timesteps():
     model, text = _t2v()

@@ -15,6 +15,7 @@ FRAME_TOKENS = 4
 CHUNKS = [1, 2, 2]
 TIMESTEPS = [1000, 600, 300]
 EXITS = [2, 0, 1]
+BOUNDS = [sum(CHUNKS[:i]) for i in range(len(CHUNKS) + 1)]  # first frame of each chunk, and the end
 
 
 class DetachedPrefixProcessor:
@@ -44,15 +45,16 @@ class DetachedPrefixProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _reference_rollout(model, noise, text, generator):
+def _reference_rollout(model, noise, text, generator, context=None):
     """The self-forcing rollout without a cache: every forward runs over the committed chunks plus the current
-    one, the committed part's K/V detached, so gradients flow only through the current chunk."""
+    one, the committed part's K/V detached, so gradients flow only through the current chunk. ``context``: clean
+    latents of the first chunks of ``CHUNKS``, committed before the rollout (``noise`` covers the later ones)."""
     sigmas = shifted_sigmas(TIMESTEPS, 5.0).tolist()
     batch = noise.shape[0]
-    committed, outputs, start = [], [], 0
+    committed, outputs, start = ([], [], 0) if context is None else ([context], [], context.shape[2])
 
     def flow(x, sigma):
-        sizes = CHUNKS[: len(committed)] + [x.shape[2]]
+        sizes = CHUNKS[:BOUNDS.index(start)] + [x.shape[2]]
         hidden = torch.cat(committed + [x], dim=2)
         prefix = start * FRAME_TOKENS
         t = torch.cat([torch.zeros(batch, prefix), torch.full((batch, x.shape[2] * FRAME_TOKENS), sigma * 1000)], 1)
@@ -63,8 +65,9 @@ def _reference_rollout(model, noise, text, generator):
             model.set_attn_processor(WanAttnProcessor())
         return out[:, :, start:]
 
-    for size, exit_at in zip(CHUNKS, EXITS):
-        x = noise[:, :, start:start + size]
+    first = BOUNDS.index(start)  # chunks the context holds
+    for size, exit_at in zip(CHUNKS[first:], EXITS[first:]):
+        x = noise[:, :, start - BOUNDS[first]:start - BOUNDS[first] + size]
         with torch.no_grad():
             for i in range(exit_at):
                 x0 = x - sigmas[i] * flow(x, sigmas[i])
@@ -116,6 +119,40 @@ def test_self_forcing_gradients_equal_detached_prefix_reference(make_engine, che
     actual = _grads(model, result.latents)
     assert all(g.abs().sum() > 0 for g in actual[:4])
     _assert_close_relative(actual, expected)
+
+
+def test_a_context_prefix_is_committed_clean_and_the_rollout_continues_it(make_engine):
+    """``context_latents``: the first chunk comes from a clip, committed without gradients; the rest is generated
+    against it, gradients and latents equal to the reference started from the same committed context."""
+    model = tiny_wan(layers=2).train()
+    text, _ = conditioning(model)
+    clip = _inputs()
+    context, noise = clip[:, :, :CHUNKS[0]], torch.randn(clip[:, :, CHUNKS[0]:].shape,
+                                                          generator=torch.Generator().manual_seed(3))
+    expected_latents = _reference_rollout(model, noise, text, torch.Generator().manual_seed(9), context=context)
+    expected = _grads(model, expected_latents)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    result = self_forcing_rollout(model, noise, text, exit_step=EXITS[1:], chunk_frames=CHUNKS, timesteps=TIMESTEPS,
+                                  generator=torch.Generator().manual_seed(9), context_latents=context)
+    assert result.chunk_sizes == CHUNKS[1:] and result.latents.shape == noise.shape
+    assert model.kv_cache_engines["main"].num_frames("pos") == sum(CHUNKS)
+    torch.testing.assert_close(result.latents.detach(), expected_latents.detach(), rtol=0, atol=1e-5)
+    _assert_close_relative(_grads(model, result.latents), expected)
+
+
+def test_a_context_prefix_must_end_on_a_chunk_boundary_and_match_the_noise():
+    model = tiny_wan(layers=1)
+    model.set_attn_processor(CausalWanAttnProcessor())
+    text, _ = conditioning(model)
+    clip = _inputs()
+    engines_before = dict(getattr(model, "kv_cache_engines", {}))
+    with pytest.raises(ValueError, match="chunk boundary"):
+        self_forcing_rollout(model, clip[:, :, 2:], text, chunk_frames=CHUNKS, timesteps=TIMESTEPS,
+                             context_latents=clip[:, :, :2])
+    with pytest.raises(ValueError, match="must match noise"):
+        self_forcing_rollout(model, clip[:, :, 1:], text, chunk_frames=CHUNKS, timesteps=TIMESTEPS,
+                             context_latents=clip[:1, :, :1])
+    assert dict(getattr(model, "kv_cache_engines", {})) == engines_before  # refused before any work
 
 
 def test_cache_holds_no_autograd_state_and_backward_survives_later_commits(make_engine):
