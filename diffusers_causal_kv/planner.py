@@ -323,12 +323,16 @@ class RolloutPlanner:
         return inputs
 
     def _timestep(self, x: torch.Tensor, t, chunk: Chunk) -> torch.Tensor:
-        """One timestep per sample, or per token (Wan2.2 TI2V): ``t`` everywhere, 0 on a conditioning first frame."""
-        if not self.expand_timesteps:
+        """One timestep per sample, or per token (Wan2.2 TI2V; or ``t`` a 1-D tensor of one timestep per latent
+        frame, the rolling-forcing window): ``t`` everywhere, 0 on a conditioning first frame."""
+        frame_steps = isinstance(t, torch.Tensor) and t.ndim == 1
+        if not (self.expand_timesteps or frame_steps):
             return torch.full((x.shape[0],), float(t), device=x.device, dtype=torch.float32)
         _, p_h, p_w = self.transformer.config.patch_size
         per_frame = (x.shape[3] // p_h) * (x.shape[4] // p_w)
-        timestep = torch.full((x.shape[0], x.shape[2], per_frame), float(t), device=x.device, dtype=torch.float32)
+        shape = (x.shape[0], x.shape[2], per_frame)
+        timestep = t.to(x.device, torch.float32)[None, :, None].expand(shape).clone() if frame_steps else \
+            torch.full(shape, float(t), device=x.device, dtype=torch.float32)
         if self.first_frame_latents is not None and chunk.frame == 0:
             timestep[:, 0] = 0
         return timestep.flatten(1)

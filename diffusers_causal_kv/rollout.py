@@ -68,6 +68,7 @@ def causal_rollout(
     continue_cache: bool = False,
     cfg_batch: bool = True,
     sampler: str = DEFAULTS.sampler,
+    first_chunk_timesteps: Sequence[float] | None = None,
 ) -> RolloutOutput:
     """Generate ``noise.shape[2]`` latent frames chunk by chunk with the KV cache.
 
@@ -105,6 +106,8 @@ def causal_rollout(
             the two tags (default; see :class:`~diffusers_causal_kv.RolloutPlanner`), ``False`` for two forwards.
         sampler: ``"chunkwise"`` (each chunk through every timestep, then committed) or ``"rolling_forcing"`` (a
             window of as many chunks as timesteps denoised jointly, :mod:`~diffusers_causal_kv.rolling_forcing`).
+        first_chunk_timesteps: the first chunk's own few-step timesteps (Causal-Forcing++'s 1- and 2-step models
+            denoise their first frame in 4 steps); default ``timesteps``.
     """
     planner = RolloutPlanner(model, prompt_embeds, negative_prompt_embeds=negative_prompt_embeds,
                              guidance_scale=guidance_scale, image_embeds=image_embeds,
@@ -114,7 +117,7 @@ def causal_rollout(
                              boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps,
                              first_frame_latents=first_frame_latents, cfg_batch=cfg_batch)
     sampling = Sampling.create(timesteps, shift, context_noise, context_noise_mode, scheduler, num_inference_steps,
-                               sampler)
+                               sampler, first_chunk_timesteps)
     sizes = chunk_schedule(noise.shape[2], chunk_frames)
     session = make_session(planner, sampling, sizes=sizes, latent_shape=_latent_shape(noise), device=noise.device,
                            latents=noise, continue_cache=continue_cache)

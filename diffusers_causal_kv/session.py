@@ -23,11 +23,11 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .causal_config import DEFAULTS
+from .causal_config import DEFAULTS, SAMPLERS
 from .model import topology
 from .parallel import check_ranks_agree
 from .planner import Chunk, RolloutPlanner, check_context_noise
@@ -52,25 +52,43 @@ class Sampling:
     ``sigmas``: few-step noise levels (predict x0 at each, re-noise to the next); or ``scheduler`` with
     ``num_inference_steps``: a diffusers flow-matching scheduler, reset for every chunk (the session's own copy).
     ``context_noise`` / ``context_noise_mode``: the commit pass's timestep label and whether the clean chunk is first
-    noised to it."""
+    noised to it. ``sampler``: ``"chunkwise"`` (this module's :class:`RolloutSession`) or ``"rolling_forcing"``
+    (:class:`~diffusers_causal_kv.rolling_forcing.RollingForcingSession`, few-step sigmas only). ``first_sigmas``:
+    the few-step noise levels of a session's first chunk, when they differ (Causal-Forcing++)."""
 
     sigmas: tuple[float, ...] | None
     scheduler: object | None = None
     num_inference_steps: int | None = None
     context_noise: float = 0.0
     context_noise_mode: str = "label"
+    sampler: str = DEFAULTS.sampler
+    first_sigmas: tuple[float, ...] | None = None
 
     @classmethod
     def create(cls, timesteps: Sequence[float] = DEFAULTS.timesteps, shift: float = DEFAULTS.shift,
                context_noise: float = DEFAULTS.context_noise, context_noise_mode: str = DEFAULTS.context_noise_mode,
-               scheduler=None, num_inference_steps: int | None = None) -> Sampling:
+               scheduler=None, num_inference_steps: int | None = None, sampler: str = DEFAULTS.sampler,
+               first_chunk_timesteps: Sequence[float] | None = None) -> Sampling:
         """Validated settings; a scheduler is copied, so another call on the same pipeline cannot reset it."""
         check_context_noise(context_noise, context_noise_mode)
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {list(SAMPLERS)}, got {sampler!r}.")
         if scheduler is not None:
             if not num_inference_steps:
                 raise ValueError("scheduler sampling needs num_inference_steps (the steps per chunk).")
+            if sampler != "chunkwise" or first_chunk_timesteps is not None:
+                raise ValueError("scheduler sampling (num_inference_steps) runs every chunk alike; the "
+                                 "'rolling_forcing' sampler and first_chunk_timesteps take few-step timesteps: drop "
+                                 "num_inference_steps / scheduler, or sampler='rolling_forcing' / "
+                                 "first_chunk_timesteps.")
             return cls(None, copy.deepcopy(scheduler), num_inference_steps, context_noise, context_noise_mode)
-        return cls(tuple(shifted_sigmas(timesteps, shift).tolist()), None, None, context_noise, context_noise_mode)
+        first = None if first_chunk_timesteps is None else tuple(shifted_sigmas(first_chunk_timesteps, shift).tolist())
+        return cls(tuple(shifted_sigmas(timesteps, shift).tolist()), None, None, context_noise, context_noise_mode,
+                   sampler, first)
+
+    def first_chunk(self) -> Sampling:
+        """The sampling of a session's first chunk (``first_sigmas`` when given)."""
+        return self if self.first_sigmas is None else replace(self, sigmas=self.first_sigmas)
 
     @property
     def steps(self) -> int:
@@ -138,11 +156,17 @@ class RolloutSession:
     schedule an engine cannot hold, positions past the RoPE table. Each chunk is checked again before it runs.
     """
 
+    sampler = "chunkwise"
+    """The :attr:`Sampling.sampler` this class runs (a subclass runs another)."""
+
     def __init__(self, planner: RolloutPlanner, sampling: Sampling, *, sizes: Iterable[int],
                  latent_shape: Sequence[int] | None = None, device: torch.device | None = None,
                  chunk_inputs: Callable | None = None,
                  keep_window: bool = False, recache_frames: int = 3, latents: torch.Tensor | None = None,
                  continue_cache: bool = False) -> None:
+        if sampling.sampler != self.sampler:
+            raise ValueError(f"{type(self).__name__} runs the {self.sampler!r} sampler, not {sampling.sampler!r}; "
+                             "build the session with diffusers_causal_kv.rolling_forcing.make_session().")
         check_ranks_agree(planner, sampling, sizes, latent_shape, latents, device)  # before any check can diverge
         self.planner, self.sampling = planner, sampling
         self.latent_shape, self.device = latent_shape and tuple(latent_shape), device
@@ -246,7 +270,8 @@ class RolloutSession:
         planner.noise.restore(random_state)  # a retry draws what the failed attempt drew
         began = time.perf_counter()
         step = None if on_step is None else (lambda i, t, z: on_step(chunk, i, t, z))
-        x = denoise_chunk(planner, x, chunk, self.sampling, step)
+        sampling = self.sampling.first_chunk() if self.index == 0 else self.sampling
+        x = denoise_chunk(planner, x, chunk, sampling, step)
         x = planner.with_first_frame(x, chunk)  # TI2V image-to-video: frame 0 is the image
         self._commit(planner, x, chunk)
         _synchronize(x)
@@ -282,10 +307,11 @@ class RolloutSession:
         while (made := self.step()) is not None:
             yield made
 
-    def _prepare(self, size: int) -> tuple:
-        """The next chunk's place, initial latents, per-frame inputs and random state; inputs and noise are drawn
-        once, so that a retry reuses them."""
-        start, before = self.planner.next_frame(), self.planner.noise.state()
+    def _prepare(self, size: int, start: int | None = None) -> tuple:
+        """The next chunk's place (``start``: its first frame, default where the cache continues), initial latents,
+        per-frame inputs and random state; inputs and noise are drawn once, so that a retry reuses them."""
+        start = self.planner.next_frame() if start is None else start
+        before = self.planner.noise.state()
         inputs = {} if self._chunk_inputs is None else dict(self._chunk_inputs(start, size))
         noise, to_start = inputs.pop("noise", None), inputs.pop("start", None)
         if noise is None and self._latents is not None:

@@ -46,6 +46,8 @@ VALID = {
     "window_frames": lambda v: v is None or _is_count(v),
     "sink_frames": lambda v: _is_count(v, least=0),
     "positions": lambda v: v in ("absolute", "relative"),
+    "sampler": lambda v: v in ("chunkwise", "rolling_forcing"),
+    "first_chunk_timesteps": lambda v: v is None or _is_list(v, lambda t: _is_number(t) and 0 < t <= 1000),
     "source": lambda v: v is None or isinstance(v, str),
 }
 numbers_ = st.one_of(st.integers(-3, 1200), st.floats(allow_nan=True, allow_infinity=True), st.booleans())
@@ -63,6 +65,9 @@ good = {
     "window_frames": st.none() | st.integers(1, 40),
     "sink_frames": st.integers(0, 8),
     "positions": st.sampled_from(["absolute", "relative"]),
+    "sampler": st.sampled_from(["chunkwise", "rolling_forcing"]),
+    "first_chunk_timesteps": st.none() | st.lists(st.floats(0, 1000, exclude_min=True) | st.integers(1, 1000),
+                                                  min_size=1, max_size=5),
     "source": st.none() | st.text(max_size=8),
 }
 

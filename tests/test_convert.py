@@ -689,6 +689,49 @@ def test_an_index_naming_shards_in_a_subfolder_of_its_own_is_read(tmp_path):
     _assert_same_outputs(_load(_convert(tmp_path / "model" / index.name, tmp_path / "out")), model)
 
 
+# ---------------------------------------------------------------------------------------------- the 2026 releases (#31)
+@pytest.mark.parametrize("path, peer", [
+    # TencentARC/RollingForcing's release: inference.py --use_ema strips `_fsdp_wrapped_module.` from generator_ema
+    ("checkpoints/rolling_forcing_dmd.pt", "rolling_forcing"),
+    # thu-ml/Causal-Forcing's Causal-Forcing++ releases (zhuhz22/Causal-Forcing causal-forcing++/...), run --use_ema
+    ("causal-forcing++/framewise-2step.pt", "causal_forcing_pp_2step"),
+    ("causal-forcing++/framewise-1step.pt", "causal_forcing_pp_1step"),
+])
+def test_the_newer_releases_convert_their_ema_weights_with_their_sampling(tmp_path, path, peer):
+    generator, ema = _model(seed=0), _model(seed=1)
+    src = write_wrapper(tmp_path / path, generator, ema, inner="_fsdp_wrapped_module.")
+    out = _convert(src, tmp_path / "out")
+    _assert_same_outputs(_load(out), ema)
+    config = CausalConfig.load(out)
+    assert config == FORMATS[peer].sampling and config.source == peer
+
+
+def test_rolling_forcing_and_causal_forcing_pp_sampling_settings():
+    rolling = FORMATS["rolling_forcing"].sampling
+    assert (rolling.sampler, rolling.chunk_frames, rolling.timesteps) == ("rolling_forcing", 3,
+                                                                          (1000.0, 800.0, 600.0, 400.0, 200.0))
+    assert (rolling.window_frames, rolling.sink_frames, rolling.positions) == (21, 3, "relative")
+    for peer, steps in (("causal_forcing_pp_2step", (1000.0, 500.0)), ("causal_forcing_pp_1step", (1000.0,))):
+        config = FORMATS[peer].sampling
+        assert (config.chunk_frames, config.timesteps, config.first_chunk_timesteps) == (
+            1, steps, (1000.0, 750.0, 500.0, 250.0))
+
+
+@pytest.mark.parametrize("path, format, needs", [
+    ("Reward-Forcing/rewardforcing.pt", "auto", "an EMA sink"),
+    ("anywhere/model.pt", "reward_forcing", "an EMA sink"),
+    ("ckpts/wan_causal_dmd_v2v/model.pt", "auto", "a KV cache written by the denoising passes of noisy chunks"),
+    ("anywhere/model.pt", "streamdiffusionv2", "a KV cache written by the denoising passes of noisy chunks"),
+    ("anywhere/model.pt", "memflow", "a memory bank"),
+])
+def test_releases_needing_a_mechanism_the_package_lacks_are_refused_by_name(tmp_path, path, format, needs):
+    src = write_wrapper(tmp_path / path, _model())
+    out = tmp_path / "out"
+    with pytest.raises(NotImplementedError, match="cannot be converted") as caught:
+        _convert(src, out, format=format)
+    assert needs in str(caught.value) and not out.exists()
+
+
 # ---------------------------------------------------------------------------------------------- --format auto (#26)
 @pytest.mark.parametrize("path, peer, reason", [
     # the cases: the file's own name before its folder's

@@ -43,7 +43,7 @@ from .experts import OUT_NAMES, expert_sources
 from .layout import diffusers_names, infer_config, is_diffusers_layout, is_original_wan_layout
 from .lora import LORA_WEIGHT_NAME, LoraLayer, check_lora, is_lora_only, merged_weights, read_lora, save_lora_adapter
 from .output import Planned, check_destination, check_written, check_written_lora, staged
-from .peers import EXPERTS, FLAT, FORMAT_NAMES, FORMATS, WRAPPER, PeerFormat
+from .peers import EXPERTS, FLAT, FORMAT_NAMES, FORMATS, REFUSED, WRAPPER, PeerFormat, RefusedRelease
 from .quantized import dequantized
 from .reading import TensorMap, read_checkpoint, strip_wrapper_prefixes
 
@@ -88,9 +88,12 @@ def convert_checkpoint(
         out: the folder to write, with its parents if needed. It must not exist or be an empty folder unless
             ``overwrite``, and must not be, lie inside or hold a file the conversion reads.
         format: ``"auto"`` or one of ``self_forcing``, ``causal_forcing``, ``causvid``, ``longlive2``, ``longlive``,
-            ``krea``, ``fastvideo_a14b``, ``wan22_a14b``, ``wan``; it selects the expected layout, the default
-            ``ema`` and the sampling settings. ``"auto"`` tells the layout from the file and the peer from the
-            released file's own name, else from its folder's name (logged, with the reason).
+            ``krea``, ``rolling_forcing``, ``causal_forcing_pp_2step``, ``causal_forcing_pp_1step``,
+            ``fastvideo_a14b``, ``wan22_a14b``, ``wan``; it selects the expected layout, the default ``ema`` and the
+            sampling settings. ``"auto"`` tells the layout from the file and the peer from the released file's own
+            name, else from its folder's name (logged, with the reason). ``reward_forcing``, ``streamdiffusionv2``
+            and ``memflow`` (and files ``"auto"`` recognises as theirs) are refused with ``NotImplementedError``:
+            their inference needs a mechanism the engines do not have (:data:`~.peers.REFUSED` says which).
         ema: convert ``generator_ema`` (``True``) or ``generator`` (``False``) of a wrapper checkpoint; ``None``
             takes what the peer's inference loads (Self-Forcing: EMA; the others: not), falling back to
             ``generator`` when a checkpoint has no EMA weights.
@@ -113,6 +116,8 @@ def convert_checkpoint(
     """
     if format not in FORMAT_NAMES:
         raise ValueError(f"format must be one of {list(FORMAT_NAMES)}, got {format!r}.")
+    if format in REFUSED:
+        _refuse(REFUSED[format], f"format={format!r} was given")
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {list(LORA_MODES)}, got {lora_mode!r}.")
     options = _Options(lora_mode, _checked_alpha(lora_alpha), _resolve_dtype(dtype), _checked_shard_size(
@@ -410,6 +415,9 @@ def _pick_format(format: str, origin: str, layout: str, lora) -> tuple[PeerForma
     path = os.path.abspath(origin)
     named, because = [], "its name names no causal release"
     for whose, name in (("its", os.path.basename(path)), ("its folder's", os.path.basename(os.path.dirname(path)))):
+        refused = [(release, hint) for release in REFUSED.values() for hint in release.hints if hint in name.lower()]
+        if refused and layout == WRAPPER:
+            _refuse(refused[0][0], f"{whose} name {name!r} has {refused[0][1]!r}")
         named = [(peer, hint) for peer in FORMATS.values() if peer.layout == layout
                  for hint in peer.hints if hint in name.lower()]
         if named:
@@ -431,6 +439,13 @@ def _pick_format(format: str, origin: str, layout: str, lora) -> tuple[PeerForma
         f"cannot tell which causal checkpoint {origin} is: a wrapper .pt could be any of {candidates}, and neither "
         "its name nor its folder's names one of them; pass format= (--format) to choose the peer's sampling "
         "settings and EMA default."
+    )
+
+
+def _refuse(release: RefusedRelease, because: str) -> NoReturn:
+    raise NotImplementedError(
+        f"{release.title} checkpoints cannot be converted ({because}): its inference needs {release.needs}, which "
+        f"this package's engines do not have. {release.instead}"
     )
 
 

@@ -41,6 +41,7 @@ class PeerFormat:
 
 
 SELF_FORCING_STEPS = (1000.0, 750.0, 500.0, 250.0)
+ROLLING_FORCING_STEPS = (1000.0, 800.0, 600.0, 400.0, 200.0)
 
 FORMATS: dict[str, PeerFormat] = {
     # guandeh17/Self-Forcing: README.md runs `inference.py --config_path configs/self_forcing_dmd.yaml
@@ -149,6 +150,45 @@ FORMATS: dict[str, PeerFormat] = {
                               source="fastvideo_a14b"),
         hints=("causalwan2.2", "causalwan2_2", "sfwan2.2", "sfwan2_2"),
     ),
+    # TencentARC/RollingForcing (read in the forks vbsh123/rollingforcing, sk4161/RollingForcing at d8f7bcaf and
+    # wenxuansong0506-creator/RollingForcing): README.md downloads TencentARC/RollingForcing
+    # checkpoints/rolling_forcing_dmd.pt and runs `inference.py --config_path configs/rolling_forcing_dmd.yaml
+    # --num_output_frames 126 --use_ema`; inference.py loads state_dict['generator_ema'] with `_fsdp_wrapped_module.`
+    # removed (keys `model.*`). configs/rolling_forcing_dmd.yaml: denoising_step_list [1000, 800, 600, 400, 200],
+    # warp_denoising_step true, timestep_shift 5.0, num_frame_per_block 3; configs/default_config.yaml: context_noise
+    # 0. pipeline/rolling_forcing_inference.py denoises a window of one chunk per step (the rolling-forcing sampler);
+    # its model (wan/modules/causal_model.py, CausalWanSelfAttention) attends over 21 latent frames with the first
+    # chunk as a sink re-indexed next to the recent frames (`rope_start_frame`): window 21, sink 3, relative positions.
+    # 126 latent frames are 501 video frames.
+    "rolling_forcing": PeerFormat(
+        "rolling_forcing", "Rolling Forcing", WRAPPER, ema=True,
+        sampling=CausalConfig(chunk_frames=3, timesteps=ROLLING_FORCING_STEPS, shift=5.0, context_noise=0.0,
+                              guidance_scale=1.0, num_frames=501, window_frames=21, sink_frames=3,
+                              positions="relative", sampler="rolling_forcing", source="rolling_forcing"),
+        hints=("rolling_forcing", "rolling-forcing", "rollingforcing"),
+    ),
+    # thu-ml/Causal-Forcing, Causal-Forcing++ (README.md read upstream; configs and pipeline read in the fork
+    # kw7243/Causal-Forcing at d53ec74f): README.md downloads zhuhz22/Causal-Forcing
+    # causal-forcing++/framewise-2step.pt and framewise-1step.pt and runs them with `--use_ema` and
+    # configs/causal_forcing_dmd_framewise_2step.yaml / _1step.yaml: denoising_step_list [1000, 500] / [1000],
+    # denoising_step_list_first_chunk [1000, 750, 500, 250], warp_denoising_step true, timestep_shift 5.0,
+    # num_frame_per_block 1. pipeline/causal_inference.py denoises block 0 with the first-chunk list, the others with
+    # denoising_step_list, commits at context_noise (0), attends globally; inference.py is Self-Forcing's (21 latent
+    # frames).
+    "causal_forcing_pp_2step": PeerFormat(
+        "causal_forcing_pp_2step", "Causal-Forcing++ (frame-wise, 2-step)", WRAPPER, ema=True,
+        sampling=CausalConfig(chunk_frames=1, timesteps=(1000.0, 500.0), first_chunk_timesteps=SELF_FORCING_STEPS,
+                              shift=5.0, context_noise=0.0, guidance_scale=1.0, num_frames=81,
+                              source="causal_forcing_pp_2step"),
+        hints=("framewise-2step", "framewise_2step"),
+    ),
+    "causal_forcing_pp_1step": PeerFormat(
+        "causal_forcing_pp_1step", "Causal-Forcing++ (frame-wise, 1-step)", WRAPPER, ema=True,
+        sampling=CausalConfig(chunk_frames=1, timesteps=(1000.0,), first_chunk_timesteps=SELF_FORCING_STEPS,
+                              shift=5.0, context_noise=0.0, guidance_scale=1.0, num_frames=81,
+                              source="causal_forcing_pp_1step"),
+        hints=("framewise-1step", "framewise_1step"),
+    ),
     # The official Wan2.2 A14B experts (Wan-AI/Wan2.2-I2V-A14B: high_noise_model/ and low_noise_model/ in the
     # original layout; or the -Diffusers repos' transformer/ and transformer_2/). Not trained causally: the sampling
     # settings are CausalConfig's defaults.
@@ -159,4 +199,57 @@ FORMATS: dict[str, PeerFormat] = {
     "wan": PeerFormat("wan", "original Wan layout", FLAT, ema=False, sampling=CausalConfig(source="wan")),
 }
 
-FORMAT_NAMES = ("auto", *FORMATS)
+
+
+@dataclass(frozen=True)
+class RefusedRelease:
+    """A causal release whose weights are a stock Wan transformer but whose inference needs a mechanism the package's
+    engines do not have: ``--format NAME`` (or a file ``format="auto"`` recognises by ``hints``) is refused, naming
+    the mechanism (``needs``) and what to do instead (``instead``)."""
+
+    name: str
+    title: str
+    needs: str
+    instead: str
+    hints: tuple[str, ...] = ()
+
+
+REFUSED: dict[str, RefusedRelease] = {
+    # JaydenLyh/Reward-Forcing (README.md read in YepicAI/Reward-Forcing, configs/reward_forcing.yaml in
+    # wangbei1/rlbaseline's copy, wan/modules/causal_model.py in YepicAI/Reward-Forcing): inference.py --use_ema on
+    # checkpoints/Reward-Forcing/rewardforcing.pt (Self-Forcing's wrapper layout); chunks of 3, steps [1000, 750, 500,
+    # 250] warped at shift 5, local_attn_size 9, sink_size 3. Its self-attention folds every frame the window evicts
+    # into the sink (CausalWanSelfAttention.incremental_update, the paper's EMA-Sink), so the sink changes as the video
+    # goes on.
+    "reward_forcing": RefusedRelease(
+        "reward_forcing", "Reward Forcing",
+        needs="an EMA sink (the sink K/V updated with an exponential moving average of every frame the window evicts)",
+        instead="For its weights alone, convert with format='self_forcing' (--format self_forcing): sampling then uses "
+                "a fixed sink (--set window_frames=9 --set sink_frames=3), not Reward Forcing's.",
+        hints=("reward_forcing", "reward-forcing", "rewardforcing"),
+    ),
+    # chenfengxu714/StreamDiffusionV2: streamv2v/inference.py loads <checkpoint_folder>/model.pt['generator'] (CausVid's
+    # wrapper layout) and runs causvid/models/wan/causal_stream_inference.py: a batch of chunks, one per denoising
+    # step, each with its own copy of the KV cache, written by the denoising forwards of noisy latents (no clean commit
+    # pass), with a noise level chosen per chunk from the input video's motion (compute_noise_scale_and_step).
+    "streamdiffusionv2": RefusedRelease(
+        "streamdiffusionv2", "StreamDiffusionV2",
+        needs="a KV cache written by the denoising passes of noisy chunks (one cache copy per pipeline stage, no clean "
+              "commit) and a per-chunk noise level taken from the input video's motion",
+        instead="For its weights alone, convert <folder>/model.pt with format='causvid' (--format causvid): sampling "
+                "then commits clean chunks, as CausVid does.",
+        hints=("streamdiffusionv2", "wan_causal_dmd_v2v"),
+    ),
+    # KlingTeam/MemFlow (its usage notes read in daydreamlive/scope, src/scope/core/pipelines/memflow/docs/usage.md;
+    # the checkpoint files themselves were not read): LongLive's training and inference pipeline plus a memory bank
+    # of earlier frames' K/V, chosen by relevance to the current prompt, attended to beside the window.
+    "memflow": RefusedRelease(
+        "memflow", "MemFlow",
+        needs="a memory bank of earlier frames' K/V retrieved by relevance to the prompt (narrative adaptive memory)",
+        instead="Nothing in the package samples it as trained; LongLive's window and sink (format='longlive') is the "
+                "closest mechanism, not an equivalent.",
+        hints=("memflow",),
+    ),
+}
+
+FORMAT_NAMES = ("auto", *FORMATS, *REFUSED)

@@ -16,7 +16,8 @@ from ..kv_cache import RollingKVCacheEngine
 from ..masks import chunk_schedule
 from ..model import experts_of, topology
 from ..planner import RolloutPlanner
-from ..session import RolloutSession, Sampling
+from ..rolling_forcing import make_session
+from ..session import Sampling
 from .inputs import PromptEncoder, stream_inputs
 from .loading import install_causal_processors, takes_condition_latents
 from .stream import CausalWanStream, check_switch
@@ -112,7 +113,10 @@ class StreamMixin:
         if not used:
             raise ValueError(f"strength={strength} keeps none of the timesteps {list(settings.timesteps)}; raise it "
                              f"to at least {min(settings.timesteps) / 1000}.")
-        sampling = Sampling.create(used, settings.shift, settings.context_noise, settings.context_noise_mode)
+        first = settings.first_chunk_timesteps  # video-to-video: the first chunk's, at or below the strength too
+        first = first if first is None or video is None else [t for t in first if t <= strength * 1000] or None
+        sampling = Sampling.create(used, settings.shift, settings.context_noise, settings.context_noise_mode,
+                                   sampler=settings.sampler, first_chunk_timesteps=first)
         guidance = self._guidance_of(settings.guidance_scale, guidance_scale_2)
         if resume is not None:  # what was given again must be what the session runs
             given = [name for name, value in (("timesteps", timesteps), ("shift", shift),
@@ -149,15 +153,17 @@ class StreamMixin:
             shape = self._latent_shape(positive.shape[0], 1, height, width)
             inputs = stream_inputs(self, kind, image, image_embeds, control_video, control_mask, conditioning_scale,
                                    video, used, settings.shift, height, width, device, shape[0])
-            engines = cache_engines or self._stream_engines(settings, largest, positions)
+            # a rolling-forcing window forward covers one chunk per timestep
+            widest = largest * (len(used) if settings.sampler == "rolling_forcing" else 1)
+            engines = cache_engines or self._stream_engines(settings, widest, positions)
             planner = RolloutPlanner(self, positive, negative_prompt_embeds=negative, cache_engines=engines,
                                      generator=generator, image_embeds=inputs.get("image_embeds"),
                                      control_scale=inputs.get("control_scale"),
                                      first_frame_latents=inputs.get("first_frame_latents"),
                                      attention_kwargs=attention_kwargs, cfg_batch=cfg_batch, **guidance.planner_args())
-            session = RolloutSession(planner, sampling, sizes=sizes, latent_shape=(*shape[:2], *shape[3:]),
-                                     device=device, chunk_inputs=inputs["chunk_inputs"], keep_window=True,
-                                     recache_frames=largest)
+            session = make_session(planner, sampling, sizes=sizes, latent_shape=(*shape[:2], *shape[3:]),
+                                   device=device, chunk_inputs=inputs["chunk_inputs"], keep_window=True,
+                                   recache_frames=largest)
         else:
             session.replan(sizes, keep_pending=True)  # a chunk that failed is made first, from the inputs it drew
         made = CausalWanStream(session, prompts=prompts, processor=self.video_processor, vae=self.vae,
@@ -195,7 +201,8 @@ class StreamMixin:
 
     def _stream_engines(self, settings: CausalConfig, largest: int, positions: str) -> dict:
         """A fresh rolling engine per branch (and per expert): the config's window (21 latent frames, Self-Forcing's
-        training length, when it names none, and at least the largest chunk beside the sink) and sink."""
+        training length, when it names none, and at least the largest pass, ``largest`` frames, beside the sink) and
+        sink."""
         window = max(settings.window_frames or 21, largest + settings.sink_frames)
         maps = [{branch: RollingKVCacheEngine(window, settings.sink_frames, positions=positions)
                  for branch in topology(transformer).branches} for transformer in experts_of(self)]

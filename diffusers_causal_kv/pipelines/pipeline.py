@@ -42,7 +42,8 @@ from ..causal_config import CausalConfig
 from ..masks import chunk_schedule
 from ..model import topology
 from ..planner import RolloutPlanner
-from ..session import RolloutSession, Sampling
+from ..rolling_forcing import make_session
+from ..session import Sampling
 from .inputs import call_inputs
 from .loading import LoadingMixin
 from .open_stream import StreamMixin
@@ -247,7 +248,8 @@ class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, Str
         self._check_call(height, width, output_type, callback_on_step_end_tensor_inputs, reference_images)
         sampling = Sampling.create(settings.timesteps, settings.shift, settings.context_noise,
                                    settings.context_noise_mode, self.scheduler if num_inference_steps else None,
-                                   num_inference_steps)
+                                   num_inference_steps, settings.sampler,
+                                   None if num_inference_steps else settings.first_chunk_timesteps)
         guidance = self._guidance_of(settings.guidance_scale, guidance_scale_2)
         num_frames = self._video_frames(settings.num_frames)
         self.install_processors(cache_engines)
@@ -264,13 +266,14 @@ class CausalWanPipeline(LoadingMixin, DiffusionPipeline, WanLoraLoaderMixin, Str
                                  generator=generator, attention_kwargs=attention_kwargs, cfg_batch=cfg_batch,
                                  **guidance.planner_args(), **per_frame)
         sizes = chunk_schedule(shape[2], chunk_frames)
-        session = RolloutSession(planner, sampling, sizes=sizes, latent_shape=(*shape[:2], *shape[3:]), device=device,
-                                 latents=None if latents is None else latents.to(device, torch.float32))
+        session = make_session(planner, sampling, sizes=sizes, latent_shape=(*shape[:2], *shape[3:]), device=device,
+                               latents=None if latents is None else latents.to(device, torch.float32))
 
         self._guidance_scale, self._guidance_scale_2 = guidance.scale, guidance.scale_2
         self._attention_kwargs, self._current_timestep, self._interrupt = attention_kwargs, None, False
         steps = sampling.steps
-        self._num_timesteps = steps * len(sizes)
+        self._num_timesteps = steps * len(sizes) + len(sampling.first_chunk().sigmas or ()) - len(
+            sampling.sigmas or ())  # a first chunk of its own timesteps
         outputs, self._chunk_sizes, self._chunk_seconds = [], [], []
         with self.progress_bar(total=self._num_timesteps) as progress_bar:
             def on_step(chunk, step: int, t: float, x: torch.Tensor) -> torch.Tensor:
