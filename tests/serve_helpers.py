@@ -1,0 +1,151 @@
+"""Shared by the server tests: a tiny pipeline, a server on 127.0.0.1 in this process, a WebSocket client, and a
+guard that refuses (and records) every connection or name lookup of this process outside the loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import uvicorn
+from websockets.sync.client import connect
+
+from diffusers_causal_kv import CausalConfig, CausalWanPipeline
+from diffusers_causal_kv.serve.protocol import Limits
+from diffusers_causal_kv.serve.server import ServerOptions, create_server
+from diffusers_causal_kv.testing import tiny_pipeline_components, tiny_wan
+
+SIZE = 32
+# Chunks of one latent frame in a window of 3 (it fills, then evicts, within a few chunks), two steps, guidance on
+# (two cache tags per session).
+CONFIG = CausalConfig(chunk_frames=1, timesteps=(1000, 500), shift=5.0, window_frames=3, guidance_scale=3.0)
+LIMITS = Limits(max_height=64, max_width=64, max_frames=33, max_chunk_frames=2, max_prompt_chars=100)
+
+
+def tiny_pipe(seed: int = 0) -> CausalWanPipeline:
+    pipe = CausalWanPipeline(**tiny_pipeline_components(tiny_wan(seed=seed, ffn_dim=64, init=None), seed=seed),
+                             causal_config=CONFIG)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def options(**changes) -> ServerOptions:
+    return ServerOptions(**{"budget": 10**9, "height": SIZE, "width": SIZE, "limits": LIMITS, **changes})
+
+
+def _local(host) -> bool:
+    return str(host).startswith(("127.", "::1", "localhost"))
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Refuse and record every connection or name lookup of this process to anything but the loopback; none may
+    have happened."""
+    outside = []
+    connect_, getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def local_connect(sock, address):
+        if isinstance(address, tuple) and not _local(address[0]):
+            outside.append(address)
+            raise OSError(f"test: no connection outside the machine ({address})")
+        return connect_(sock, address)
+
+    def local_getaddrinfo(host, *args, **kwargs):
+        if host is not None and not _local(host):
+            outside.append(host)
+            raise socket.gaierror(f"test: no name lookup outside the machine ({host})")
+        return getaddrinfo(host, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", local_connect)
+        patch.setattr(socket, "getaddrinfo", local_getaddrinfo)
+        yield
+    assert outside == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(pipe, server_options: ServerOptions):
+    """``(url, loop)`` of a server on 127.0.0.1 in a thread of this process."""
+    app, loop = create_server(pipe, server_options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait(lambda: server.started, what="the server")
+        yield f"127.0.0.1:{port}", loop
+    finally:
+        server.should_exit = True
+        thread.join()
+        loop.shutdown()
+
+
+def wait(condition, seconds: float = 120.0, what: str = "the server"):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Viewer:
+    """A WebSocket client of the protocol: ``messages`` (JSON) in order, ``frames[chunk]`` the decoded frames."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        query = "" if token is None else f"?token={token}"
+        self.socket = connect(f"ws://{address}/ws{query}", open_timeout=30)
+        self.messages: list[dict] = []
+        self.frames: dict[int, list[np.ndarray]] = {}
+        self._chunk = None
+
+    def send(self, **message) -> None:
+        self.socket.send(json.dumps(message))
+
+    def receive(self) -> dict:
+        """The next JSON message, after reading the frames of every chunk before it."""
+        while True:
+            data = self.socket.recv(timeout=120)
+            if isinstance(data, bytes):
+                self.frames[self._chunk].append(np.asarray(PIL.Image.open(io.BytesIO(data)).convert("RGB")))
+                continue
+            message = json.loads(data)
+            self.messages.append(message)
+            if message["type"] == "chunk":
+                self._chunk = message["chunk"]
+                self.frames[self._chunk] = []
+            return message
+
+    def until(self, *types: str) -> dict:
+        while (message := self.receive())["type"] not in types:
+            pass
+        return message
+
+    def video(self) -> np.ndarray:
+        """Every frame received, in order (the last chunk's frames read in full)."""
+        return np.stack([frame for index in sorted(self.frames) for frame in self.frames[index]])
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def direct_video(pipe, prompt: str, seed: int, chunks: int, **kwargs) -> tuple[np.ndarray, list]:
+    """The frames of the first ``chunks`` chunks of ``pipe.stream`` alone, as the server sends them (PNG is
+    lossless), and those chunks."""
+    stream = pipe.stream(prompt=prompt, height=SIZE, width=SIZE, num_frames=None,
+                         generator=torch.Generator().manual_seed(seed), output_type="pil", overlap=False, **kwargs)
+    with stream:
+        made = [next(stream) for _ in range(chunks)]
+    return np.stack([np.asarray(image.convert("RGB")) for chunk in made for image in chunk.frames[0]]), made
