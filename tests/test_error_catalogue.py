@@ -536,6 +536,45 @@ def chunk_past_rope_table():
     return model, lambda: forward(model, _x(3), ZERO, text, start_frame=2, store_kv=True)
 
 
+@case(ValueError, "sampler must be one of", "got 'rolling'")
+def rollout_with_an_unknown_sampler():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, chunk_frames=1, progress=False, sampler="rolling")
+
+
+@case(ValueError, "scheduler sampling (num_inference_steps) runs every chunk alike")
+def rolling_forcing_with_a_scheduler():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, chunk_frames=1, progress=False,
+                                         sampler="rolling_forcing", scheduler=FlowMatchEulerDiscreteScheduler(),
+                                         num_inference_steps=2)
+
+
+@case(ValueError, "runs one list of few-step timesteps for every chunk", "first_chunk_timesteps")
+def rolling_forcing_with_first_chunk_timesteps():
+    model, text = _t2v()
+    return model, lambda: causal_rollout(model, _x(2), text, chunk_frames=1, progress=False,
+                                         sampler="rolling_forcing", first_chunk_timesteps=(1000.0,))
+
+
+@case(NotImplementedError, "runs one timestep per latent frame", "VACE transformer")
+def rolling_forcing_on_vace():
+    model, text = _vace()
+    return model, lambda: causal_rollout(model, _x(2), text, control_latents=_control(2), chunk_frames=1,
+                                         progress=False, sampler="rolling_forcing")
+
+
+@case(ValueError, "build the session with diffusers_causal_kv.rolling_forcing.make_session()",
+      "RolloutSession runs the 'chunkwise' sampler, not 'rolling_forcing'")
+def session_of_another_sampler():
+    from diffusers_causal_kv.session import RolloutSession, Sampling
+
+    model, text = _t2v()
+    planner = RolloutPlanner(model, text)
+    return model, lambda: RolloutSession(planner, Sampling.create(sampler="rolling_forcing"), sizes=[1],
+                                         latent_shape=(1, 16, H, W))
+
+
 @case(ValueError, "the rollout covers latent frames", r"frames 2\.\.4 but the RoPE table has 4 positions")
 def rollout_past_rope_table():
     model, text = _t2v(rope_max_seq_len=4)
@@ -1564,6 +1603,23 @@ def convert_with_the_wrong_format():
 @case(ValueError, "cannot tell which causal checkpoint", "model.pt", cached=False)
 def convert_anonymous_wrapper():
     return _conversion(lambda folder: _self_forcing_file(folder, name="model.pt"))
+
+
+@case(NotImplementedError, "checkpoints cannot be converted", r"Reward Forcing.*format='reward_forcing'.*EMA sink",
+      cached=False)
+def convert_reward_forcing():
+    return _conversion(_self_forcing_file, format="reward_forcing")
+
+
+@case(NotImplementedError, "checkpoints cannot be converted",
+      r"StreamDiffusionV2.*folder's name 'wan_causal_dmd_v2v'.*format='causvid'", cached=False)
+def convert_streamdiffusionv2_by_its_folder():
+    return _conversion(lambda folder: _self_forcing_file(folder / "wan_causal_dmd_v2v", name="model.pt"))
+
+
+@case(NotImplementedError, "checkpoints cannot be converted", r"MemFlow.*memory bank", cached=False)
+def convert_memflow():
+    return _conversion(_self_forcing_file, format="memflow")
 
 
 @case(ValueError, "format must be one of", "got 'selfforcing'", cached=False)
