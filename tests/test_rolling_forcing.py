@@ -42,8 +42,12 @@ def _sigmas(timesteps, shift):
 
 
 def reference(model, noise, text, *, block, timesteps, shift, generator, context_noise=0.0, window=None,
-              sink=0):
-    """Rolling Forcing's loop; ``noise`` is ``[batch, channels, frames, h, w]``, ``block`` frames per chunk."""
+              sink=0, relative=False):
+    """Rolling Forcing's loop; ``noise`` is ``[batch, channels, frames, h, w]``, ``block`` frames per chunk.
+    ``relative``: the window sees the sink and the recent clean frames numbered ``0, 1, ...`` before it, as
+    Rolling Forcing re-indexes its sink next to the recent frames; one stock forward over just those frames and the
+    window gives that numbering, and equals the cached pass on a one-layer model (whose cached K/V do not depend on
+    what a frame attended to when it was committed)."""
     sigmas = _sigmas(timesteps, shift)
     steps, frames = len(sigmas), noise.shape[2]
     num_blocks = frames // block
@@ -66,15 +70,20 @@ def reference(model, noise, text, *, block, timesteps, shift, generator, context
             assert hi == frames
             step_of = shared[:n]
         frame_sigma = torch.tensor([sigmas[k] for k in step_of]).repeat_interleave(block)
-        clean = output[:, :, :lo]
-        sequence = torch.cat([clean, x], dim=2)
-        per_token = torch.cat([torch.full((lo,), context_noise), frame_sigma * 1000]).repeat_interleave(FRAME_TOKENS)
+        seen = list(range(lo))
+        if relative:  # the sink, then the recent frames the window reaches
+            seen = [f for f in seen if f < sink or f >= lo - (window - sink - n * block)]
+        sequence = torch.cat([output[:, :, seen], x], dim=2)
+        per_token = torch.cat([torch.full((len(seen),), context_noise), frame_sigma * 1000])
+        per_token = per_token.repeat_interleave(FRAME_TOKENS)[None].expand(noise.shape[0], -1)
         sizes = [block] * start + [n * block]
-        mask = (block_causal_mask(sizes, FRAME_TOKENS) if window is None
-                else window_mask(sizes, FRAME_TOKENS, window, sink))
+        if relative:
+            mask = torch.ones(per_token.shape[1], per_token.shape[1], dtype=torch.bool)
+        else:
+            mask = (block_causal_mask(sizes, FRAME_TOKENS) if window is None
+                    else window_mask(sizes, FRAME_TOKENS, window, sink))
         with torch.no_grad():
-            flow = masked_full_forward(model, sequence, per_token[None].expand(noise.shape[0], -1), text, None,
-                                       mask)[:, :, lo:]
+            flow = masked_full_forward(model, sequence, per_token, text, None, mask)[:, :, len(seen):]
         x0 = x - frame_sigma[None, None, :, None, None] * flow
         output[:, :, lo:hi] = x0
         for j, k in enumerate(step_of):
@@ -87,23 +96,24 @@ def reference(model, noise, text, *, block, timesteps, shift, generator, context
     return output
 
 
-def _model():
-    model = tiny_wan(seed=3)
+def _model(**config):
+    model = tiny_wan(seed=3, **config)
     model.set_attn_processor(CausalWanAttnProcessor())
     return model
 
 
-@pytest.mark.parametrize("case", ["global", "sink_and_evicting_window"])
+@pytest.mark.parametrize("case", ["global", "sink_and_evicting_window", "release_window_relative"])
 def test_rollout_equals_the_reference_loop(case):
-    model = _model()
+    model = _model(layers=1) if case == "release_window_relative" else _model()
     text, _ = tiny_conditioning(model, batch=2, seed=5)
     noise = torch.randn(2, 16, 10, 4, 4, generator=torch.Generator().manual_seed(0))
     settings = dict(block=2, timesteps=(1000.0, 750.0, 500.0), shift=3.0)
     engines, window = None, {}
-    if case == "sink_and_evicting_window":
+    if case != "global":
         # the sink is the first chunk; the window forward (6 frames) reads 1 recent frame, a commit 5: frames evict
-        window = dict(window=9, sink=2)
-        engines = {"main": RollingKVCacheEngine(9, 2, positions="absolute")}
+        positions = "relative" if case == "release_window_relative" else "absolute"
+        window = dict(window=9, sink=2, relative=positions == "relative")
+        engines = {"main": RollingKVCacheEngine(9, 2, positions=positions)}
         settings["context_noise"] = 40.0
     expected = reference(model, noise, text, generator=torch.Generator().manual_seed(1), **settings, **window)
     out = causal_rollout(model, noise, text, chunk_frames=settings["block"], timesteps=settings["timesteps"],
