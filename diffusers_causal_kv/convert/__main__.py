@@ -14,8 +14,9 @@ from .peers import FORMAT_NAMES
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m diffusers_causal_kv.convert",
-        description="Convert a causal Wan checkpoint (Self-Forcing, Causal-Forcing, CausVid, LongLive 1 and 2, Krea, "
-                    "FastVideo's CausalWan2.2-I2V-A14B, original Wan layout) into a diffusers WanTransformer3DModel "
+        description="Convert a causal Wan checkpoint (Self-Forcing, Causal-Forcing and Causal-Forcing++, CausVid, "
+                    "LongLive 1 and 2, Krea, Rolling Forcing, FastVideo's CausalWan2.2-I2V-A14B, original Wan "
+                    "layout) into a diffusers WanTransformer3DModel "
                     "folder (two, transformer/ and transformer_2/, for a Wan2.2 A14B model) with its "
                     "causal_config.json.",
     )
