@@ -38,6 +38,7 @@ compatibility, performance) at https://github.com/diffusers-causal-kv/diffusers-
 ``docs/architecture.md`` for the layers and their contracts, and ``examples/`` for runnable scripts.
 """
 
+from . import quiet_imports  # noqa: F401  (first: optional backends imported without their log noise)
 from .causal_config import CausalConfig
 from .context import CausalContext, get_current_context
 from .kv_cache import (

@@ -1,0 +1,27 @@
+"""diffusers imports its optional quantization backends on import; on a machine without their kernels (a CPU,
+another CUDA), torchao and torch log warnings that say nothing about this package ("Failed to load ... .so", an Enum
+deprecation, diffusers' "Unable to import `torchao` Tensor objects"). Import them once here with those loggers
+raised to ERROR, so that ``import diffusers_causal_kv`` prints nothing; they log as usual afterwards."""
+
+import logging
+from contextlib import contextmanager
+
+_NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer",
+                  "bitsandbytes")
+
+
+@contextmanager
+def _quiet(names=_NOISY_LOGGERS):
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+with _quiet():
+    import diffusers.quantizers  # noqa: E402,F401  (imports torchao when it is installed)
