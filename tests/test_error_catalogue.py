@@ -1256,6 +1256,33 @@ def stream_resume_of_a_running_stream():
     return model, lambda: pipe.stream(**args, resume=start())
 
 
+@case(TypeError, "step_streams takes streams made by", "got list_iterator")
+def step_streams_of_an_iterator():
+    from diffusers_causal_kv.serve import step_streams
+
+    model, start, _, _ = _stream_call()
+    return model, lambda: step_streams([start(), iter([])])
+
+
+@case(ValueError, "got the same stream twice")
+def step_streams_with_one_stream_twice():
+    from diffusers_causal_kv.serve import step_streams
+
+    model, start, _, _ = _stream_call()
+    stream = start()
+    return model, lambda: step_streams([stream, stream])
+
+
+@case(ValueError, "give each stream engines of its own", "cache tag 'pos'")
+def step_streams_sharing_engines():
+    from diffusers_causal_kv.serve import step_streams
+
+    model, _, pipe, args = _stream_call()
+    engines = {"main": KVCacheEngine()}
+    return model, lambda: step_streams([pipe.stream(**args, output_type="latent", cache_engines=engines)
+                                        for _ in range(2)])
+
+
 @case(ValueError, "continues in groups of", "got 5")
 def stream_resume_with_a_partial_group():
     model, start, pipe, args = _stream_call(num_frames=5)
