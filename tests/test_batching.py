@@ -110,6 +110,16 @@ def test_batched_rows_equal_separate_rows(pipe, engine, guidance):
         _assert_close(_latents(many), _latents(one))
 
 
+def test_guided_and_unguided_streams_share_forwards(pipe):
+    guidance = (3.0, 1.0, 5.0)
+    alone = [list(_stream(pipe, seed, guidance=g)) for seed, g in enumerate(guidance)]
+    with _batch_sizes(pipe) as seen:
+        batched = _run_batched([_stream(pipe, seed, guidance=g) for seed, g in enumerate(guidance)])
+    assert set(seen) == {5}  # two rows of each guided stream and one of the other, in each forward
+    for one, many in zip(alone, batched):
+        _assert_close(_latents(many), _latents(one))
+
+
 def test_unbatched_steps_are_next_of_each_stream(pipe):
     alone = [list(_stream(pipe, seed)) for seed in range(2)]
     streams = [_stream(pipe, seed) for seed in range(2)]
