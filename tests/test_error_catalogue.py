@@ -1835,6 +1835,51 @@ def engine_of_another_kv_dtype():
     return _engine_args(lambda: StaticKVCacheEngine(max_frames=4, kv_dtype=torch.bfloat16))
 
 
+# The stream server: a client's request is refused whole (the session table is checked unchanged in
+# tests/test_serve.py; here, an installed model's cache)
+def _request(text):
+    from diffusers_causal_kv.serve.protocol import Limits, RequestParser
+
+    return _engine_args(lambda: RequestParser(Limits(max_prompt_chars=20, max_frames=33)).parse(text))
+
+
+def _request_case(fragment, detail, text):
+    from diffusers_causal_kv.serve.protocol import RequestError
+
+    def build():
+        return _request(text)
+
+    build.__name__ = "request_" + re.sub(r"\W+", "_", detail).strip("_").lower()
+    case(RequestError, fragment, re.escape(detail))(build)
+
+
+for _fragment, _detail, _text in [
+    ("a message holds at most", "4096 bytes", '{"type": "stop", "pad": "' + "x" * 5000 + '"}'),
+    ("a message must be one JSON object", "Expecting value", "not json"),
+    ("type must be one of", "got 'play'", '{"type": "play"}'),
+    ("message takes the fields", "drop ['fps']", '{"type": "start", "prompt": "x", "fps": 30}'),
+    ("is required: a non-empty string", "prompt is required", '{"type": "start"}'),
+    ("must be a non-empty string, got", "got '   '", '{"type": "start", "prompt": "   "}'),
+    ("characters, got", "at most 20 characters, got 21", '{"type": "start", "prompt": "' + "x" * 21 + '"}'),
+    ("must be an integer from", "height must be an integer from 16 to 480, got 4096",
+     '{"type": "start", "prompt": "x", "height": 4096}'),
+    ("must be a multiple of", "width must be a multiple of 16, got 40", '{"type": "start", "prompt": "x", "width": 40}'),
+    ("k + 1 video frames", "got 6", '{"type": "start", "prompt": "x", "num_frames": 6}'),
+    ("guidance_scale must be a number from 1 to", "got nan",
+     '{"type": "start", "prompt": "x", "guidance_scale": NaN}'),
+    ("must be one of", "prompt_switch must be one of", '{"type": "start", "prompt": "x", "prompt_switch": "fade"}'),
+]:
+    _request_case(_fragment, _detail, _text)
+
+
+@case(ValueError, "and at most the limit", "the default height 40 must be a multiple of 16")
+def server_with_a_default_size_past_its_limits():
+    from diffusers_causal_kv.serve.server import ServerOptions, create_server
+
+    pipe, _ = _called_pipeline(run=False)
+    return pipe.transformer, lambda: create_server(pipe, ServerOptions(height=40, width=32))
+
+
 @pytest.mark.parametrize("build, error, fragment, detail, cached", CASES)
 def test_error_leaves_the_cache_unchanged(build, error, fragment, detail, cached):
     model, trigger = build()

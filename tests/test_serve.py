@@ -315,3 +315,11 @@ def test_the_admitted_size_is_what_the_session_holds_once_its_window_is_full(gui
             assert stream.session.memory_bytes() == engines + kept
             held.append(stream.session.memory_bytes())
     assert max(held) == held[-1] == need  # reached once the window is full, never passed
+
+
+def test_the_command_line_ends_with_one_line_when_it_cannot_load_the_model(tmp_path, capsys):
+    from diffusers_causal_kv.serve.__main__ import main
+
+    assert main([str(tmp_path / "missing"), "--device", "cpu"]) == 1
+    printed = capsys.readouterr().err
+    assert printed.startswith("error: ") and printed.count("\n") == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .protocol import Limits
 
@@ -60,7 +61,9 @@ def options_of(args: argparse.Namespace):
                          width=args.width, limits=limits)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Serve until interrupted. An error loading the model or in the options is one line on stderr, ``error: ...``,
+    and exit status 1."""
     args = parse_args(argv)
     options = options_of(args)
     if args.replicas:
@@ -68,16 +71,16 @@ def main(argv: list[str] | None = None) -> None:
 
         run_local(args.model, options, replicas=args.replicas, host=args.host, port=args.port,
                   gpus_per_replica=args.gpus_per_replica, device=args.device, dtype=args.dtype)
-        return
+        return 0
     import uvicorn
 
     from .server import create_server, load_pipeline
 
     try:
-        pipe = load_pipeline(args.model, args.device, args.dtype)
-        app, loop = create_server(pipe, options)
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
+        app, loop = create_server(load_pipeline(args.model, args.device, args.dtype), options)
+    except (OSError, ValueError) as error:  # no such folder or not a pipeline; a default size past the limits
+        print("error: " + " ".join(str(error).split()), file=sys.stderr)
+        return 1
     print(f"serving {args.model} on http://{args.host}:{args.port}/ (budget {loop.budget / 2**20:.0f} MiB of cache)",
           flush=True)
     try:
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
                     ws_max_size=16 * options.limits.max_message_bytes)  # the parser explains the limit below this
     finally:
         loop.shutdown()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

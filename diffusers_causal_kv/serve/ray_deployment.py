@@ -28,6 +28,7 @@ class StreamReplica:
     """One replica: a pipeline on its device, its session loop and the app in front of it."""
 
     def __init__(self, model: str, options: ServerOptions, device: str | None = None, dtype: str | None = None):
+        _bind_to_node_ip()
         name = serve.get_replica_context().replica_id.unique_id
         self._app, self._loop = create_server(load_pipeline(model, device, dtype), options, name=name)
 
@@ -36,6 +37,23 @@ class StreamReplica:
 
     def __del__(self):  # Ray Serve calls it when the replica stops: end the sessions, free their caches
         self._loop.shutdown()
+
+
+def _bind_to_node_ip() -> None:
+    """Ray Serve (2.60) binds each replica's internal gRPC server to every interface (``[::]:0``) once the replica's
+    constructor returned, where Ray's own servers bind to the node IP; bind it to the node IP too (127.0.0.1 on a
+    local Ray), so that a local server listens on nothing but the loopback."""
+    import ray
+    from ray.serve._private import replica
+
+    node = ray.util.get_node_ip_address()
+    host = f"[{node}]" if ":" in node else node
+    bind = replica.add_port_to_grpc_server
+
+    def bind_to_node(server, address: str):
+        return bind(server, host + address[len("[::]"):] if address.startswith("[::]:") else address)
+
+    replica.add_port_to_grpc_server = bind_to_node
 
 
 def build(model: str, options: ServerOptions, replicas: int = 1, gpus_per_replica: float = 0.0,

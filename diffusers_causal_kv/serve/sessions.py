@@ -18,7 +18,7 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -55,7 +55,6 @@ class Session:
         return [prompt for first, prompt in self.prompts if first <= index][-1]
 
 
-@dataclass
 class SessionLoop:
     """Runs every session of one pipeline on one thread.
 
@@ -65,21 +64,19 @@ class SessionLoop:
         max_sessions: sessions at once.
         batched: make the chunks of all sessions in batched forwards (else one session after another).
         idle_timeout: seconds a client may leave frames unread before its session is ended.
-        name: this server's name in ``started`` messages (a Ray Serve replica's id).
+        name: this server's name, the prefix of its session ids (a Ray Serve replica's id).
     """
 
-    pipe: object
-    budget: int
-    max_sessions: int = 8
-    batched: bool = True
-    idle_timeout: float = 60.0
-    name: str = "local"
-    _commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, init=False)
-    _sessions: dict = field(default_factory=dict, init=False)  # client -> Session
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)  # snapshot() reads from other threads
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
-    _step_seconds: float | None = field(default=None, init=False)
-    _thread: threading.Thread | None = field(default=None, init=False)
+    def __init__(self, pipe, budget: int, *, max_sessions: int = 8, batched: bool = True, idle_timeout: float = 60.0,
+                 name: str = "local") -> None:
+        self.pipe, self.budget, self.max_sessions, self.batched = pipe, budget, max_sessions, batched
+        self.idle_timeout, self.name = idle_timeout, name
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: dict[Client, Session] = {}
+        self._lock = threading.Lock()  # snapshot() reads the table from other threads
+        self._ids = itertools.count(1)
+        self._step_seconds: float | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="causal-wan-sessions", daemon=True)
