@@ -97,11 +97,11 @@ class Bench:
                     context_noise=self.config.context_noise, context_noise_mode=self.config.context_noise_mode,
                     guidance_scale=self.guidance, negative_prompt_embeds=self.negative if self.guidance > 1 else None)
 
-    def rollout(self, frames: int, engine=None) -> torch.Tensor:
+    def rollout(self, frames: int, engine=None, sampler: str = "chunkwise") -> torch.Tensor:
         engines = {"main": engine if engine is not None else VanillaKVCacheEngine()}
         return causal_rollout(self.transformer, self.noise(frames), self.embeds, cache_engines=engines,
                               generator=torch.Generator().manual_seed(self.seed + 1), progress=False,
-                              **self.sampling()).latents
+                              sampler=sampler, **self.sampling()).latents
 
     @torch.no_grad()
     def bidirectional(self, frames: int) -> torch.Tensor:
@@ -212,6 +212,8 @@ def run_table(bench: Bench, chunks: int, windows: list[int], sink: int) -> dict:
         lambda: bench.rollout(past, RollingKVCacheEngine(window, 0, "absolute")))
     row(f"past RoPE ({past} fr) relative W={window}",
         lambda: bench.rollout(past, RollingKVCacheEngine(window, 0, "relative")))
+    # the same weights sampled by Rolling Forcing's staggered window (one chunk per timestep): never trained for it
+    row("rolling forcing, full cache (untuned)", lambda: bench.rollout(frames, sampler="rolling_forcing"))
     switch_chunk = chunks // 2
     for mode, label in (("recache", "re-cache"), ("cross", "no re-cache")):
         row(f"prompt switch, {label} W={window}", lambda m=mode: bench.switched(frames, switch_chunk, m, window),

@@ -62,6 +62,7 @@ from .pipelines import CausalWanPipeline
 from .planner import RolloutPlanner
 from .processors import CausalWanAttnProcessor
 from .refill import prefill, recache, reset_conditioning
+from .rolling_forcing import RollingForcingSession, make_session
 from .rollout import RolloutOutput, causal_rollout, self_forcing_rollout
 from .session import RolloutSession, Sampling
 from .streaming import StreamingRollout
@@ -76,6 +77,7 @@ __all__ = [
     "CausalWanAttnProcessor",
     "CausalWanPipeline",
     "KVCacheEngine",
+    "RollingForcingSession",
     "RollingKVCacheEngine",
     "RolloutOutput",
     "RolloutPlanner",
@@ -97,6 +99,7 @@ __all__ = [
     "chunk_schedule",
     "clear_caches",
     "get_current_context",
+    "make_session",
     "prefill",
     "recache",
     "reset_conditioning",

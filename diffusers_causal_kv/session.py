@@ -166,7 +166,7 @@ class RolloutSession:
                  continue_cache: bool = False) -> None:
         if sampling.sampler != self.sampler:
             raise ValueError(f"{type(self).__name__} runs the {self.sampler!r} sampler, not {sampling.sampler!r}; "
-                             "build the session with diffusers_causal_kv.rolling_forcing.make_session().")
+                             "build the session with diffusers_causal_kv.make_session().")
         check_ranks_agree(planner, sampling, sizes, latent_shape, latents, device)  # before any check can diverge
         self.planner, self.sampling = planner, sampling
         self.latent_shape, self.device = latent_shape and tuple(latent_shape), device

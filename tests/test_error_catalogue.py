@@ -564,7 +564,7 @@ def rolling_forcing_on_vace():
                                          progress=False, sampler="rolling_forcing")
 
 
-@case(ValueError, "build the session with diffusers_causal_kv.rolling_forcing.make_session()",
+@case(ValueError, "build the session with diffusers_causal_kv.make_session()",
       "RolloutSession runs the 'chunkwise' sampler, not 'rolling_forcing'")
 def session_of_another_sampler():
     from diffusers_causal_kv.session import RolloutSession, Sampling

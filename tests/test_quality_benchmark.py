@@ -32,7 +32,7 @@ def test_small_quality_run_scores_every_setting_and_plots(quality, tmp_path, cap
     assert set(rows) == {
         "bidirectional (all frames at once)", "causal, full cache", "causal, full cache, fp8 K/V", "rolling W=6",
         "rolling W=6 sink 3", "past RoPE (36 fr) absolute W=6", "past RoPE (36 fr) relative W=6",
-        "prompt switch, re-cache W=6", "prompt switch, no re-cache W=6"}
+        "prompt switch, re-cache W=6", "prompt switch, no re-cache W=6", "rolling forcing, full cache (untuned)"}
     assert "RoPE table" in rows["past RoPE (36 fr) absolute W=6"]["error"]  # absolute positions stop there
     for name, row in rows.items():
         if "error" not in row:
