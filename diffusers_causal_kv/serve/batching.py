@@ -73,7 +73,7 @@ def _next(stream: CausalWanStream) -> StreamChunk | BaseException | None:
         return next(stream)
     except StopIteration:
         return None
-    except BaseException as error:  # the stream's own outcome, handed back in its place  # noqa: BLE001
+    except BaseException as error:  # the stream's own outcome, handed back in its place
         return error
 
 
@@ -158,14 +158,14 @@ class _Rendezvous:
         self._state.notify_all()
 
     def _lead(self, group: list[_Ticket]) -> None:
-        if len(group) == 1:  # nothing to share: it runs in its own thread, its error raised there
-            outputs = None
-            group[0].alone = True
-        else:
+        """Run a group's forwards as one; a forward with nothing to share, or whose batch raised, is then run alone
+        in its own thread (so its error, if any, is raised there)."""
+        outputs = None
+        if len(group) > 1:
             try:
                 with self._device:
                     outputs = run_together([t.forward for t in group])
-            except BaseException:  # noqa: BLE001 - whose rows failed is found by running each alone
+            except BaseException:  # whose rows failed is found by running each alone
                 outputs = None
         with self._state:
             for i, ticket in enumerate(group):
