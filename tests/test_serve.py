@@ -209,8 +209,8 @@ def test_malformed_and_oversized_requests_are_refused_and_change_nothing(pipe):
         streaming.until("started")
         streaming.send(type="start", prompt="another")
         assert streaming.until("error")["code"] == "already_streaming"
-        for sender in (idle, streaming):
-            for text, code in BAD:
+        for sender, refused_texts in ((idle, BAD), (streaming, BAD[::6])):
+            for text, code in refused_texts:
                 table = loop.snapshot()
                 sender.socket.send(text)
                 refused = sender.until("error")

@@ -57,15 +57,16 @@ def server(tmp_path_factory):
         process.wait(30)
 
 
-def test_the_command_line_says_where_it_serves_and_refuses_bad_options(server):
+def test_the_command_line_says_where_it_serves_and_refuses_bad_options(server, capsys):
+    from diffusers_causal_kv.serve.__main__ import main
+
     url, _, printed = server
     assert printed.startswith("serving ") and f" on {url} (budget 64 MiB of cache)" in printed
-    refused = subprocess.run([sys.executable, "-m", "diffusers_causal_kv.serve", "folder", "--max-sessions", "0"],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert refused.returncode == 2 and "--max-sessions must be positive, got 0." in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        main(["folder", "--max-sessions", "0"])
+    assert refused.value.code == 2 and "--max-sessions must be positive, got 0." in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_the_page_starts_switches_and_stops_a_session_in_chromium_requesting_nothing_outside(server):
     from selenium.webdriver.common.by import By
 

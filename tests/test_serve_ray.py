@@ -54,6 +54,9 @@ def cluster(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch, loopback_only():
         # the replicas import this checkout's package, as the tests do (not an installed copy)
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        # Serve kills a proxy not ready within 5 s, too short on two busy cores
+        patch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+        patch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "120")
         start_local_ray(num_cpus=2)
         try:
             serve_local(build(str(folder), options(max_sessions=1), replicas=2), port=port)
