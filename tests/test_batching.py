@@ -120,6 +120,19 @@ def test_guided_and_unguided_streams_share_forwards(pipe):
         _assert_close(_latents(many), _latents(one))
 
 
+def test_the_callers_autocast_applies_to_every_stream(pipe):
+    def run(batched):
+        streams = [_stream(pipe, seed) for seed in range(2)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return [_latents(chunks) for chunks in _run_batched(streams)] if batched else [
+                _latents([next(s) for s in itertools.repeat(stream, 3)]) for stream in streams]
+
+    plain = [_latents(list(_stream(pipe, seed))) for seed in range(2)]
+    for alone, batched, fp32 in zip(run(False), run(True), plain):
+        assert (alone - fp32).abs().max() > 1e-3  # bf16 matrix products: autocast applied
+        assert (batched - alone).abs().max() < 0.1 * (alone - fp32).abs().max()
+
+
 def test_unbatched_steps_are_next_of_each_stream(pipe):
     alone = [list(_stream(pipe, seed)) for seed in range(2)]
     streams = [_stream(pipe, seed) for seed in range(2)]
