@@ -99,3 +99,32 @@ def window_mask(chunk_frames: list[int], frame_tokens: int, window_frames: int, 
         start += size
     frames = torch.tensor(allowed)
     return frames.repeat_interleave(frame_tokens, 0).repeat_interleave(frame_tokens, 1)
+
+
+def causal_outputs(model, text, chunks, t: float = 500.0) -> list[torch.Tensor]:
+    """A cached rollout of ``chunks`` (one latent frame each): every chunk after the first denoised at ``t`` against
+    the cache, each chunk committed at t=0; the denoising outputs."""
+    from diffusers_causal_kv import clear_caches
+
+    clear_caches(model)
+    batch = chunks[0].shape[0]
+    outs = []
+    for k, x in enumerate(chunks):
+        if k:
+            outs.append(forward(model, x, torch.full((batch,), t), text, start_frame=k))
+        forward(model, x, torch.zeros(batch), text, start_frame=k, store_kv=True)
+    return outs
+
+
+def masked_outputs(model, text, chunks, t: float = 500.0) -> list[torch.Tensor]:
+    """The reference of :func:`causal_outputs`: for each chunk after the first, one masked full-sequence stock
+    forward over the chunks up to it (per-token timesteps 0 for the committed ones, ``t`` for it)."""
+    batch, frame_tokens = chunks[0].shape[0], chunks[0].shape[-2] * chunks[0].shape[-1] // 4
+    outs = []
+    for k in range(1, len(chunks)):
+        per_token = torch.cat([torch.zeros(batch, frame_tokens * k), torch.full((batch, frame_tokens), t)], dim=1)
+        with torch.no_grad():
+            full = masked_full_forward(model, torch.cat(chunks[:k + 1], dim=2), per_token, text, None,
+                                       block_causal_mask([1] * (k + 1), frame_tokens))
+        outs.append(full[:, :, k:])
+    return outs

@@ -6,13 +6,12 @@ route. The rollouts compare against the masked full-sequence stock forward of th
 import pytest
 import torch
 from accelerate import cpu_offload
-from helpers import block_causal_mask, conditioning, forward, masked_full_forward, tiny_wan
+from helpers import causal_outputs, conditioning, forward, masked_outputs, tiny_wan
 
-from diffusers_causal_kv import CausalWanAttnProcessor, clear_caches
+from diffusers_causal_kv import CausalWanAttnProcessor
 from diffusers_causal_kv.model.topology import projection_state
 
 H = W = 4
-FRAME_TOKENS = 4
 STALE = "K/V projection weights changed since cache tag 'pos' was filled"
 
 
@@ -25,38 +24,15 @@ def _setup():
     return model, text, chunks
 
 
-def _reference(model, text, chunks):
-    """The masked full-sequence stock forward: each chunk's output at t=500 over the committed chunks before it."""
-    outs = []
-    for k in range(1, len(chunks)):
-        per_token = torch.cat([torch.zeros(2, FRAME_TOKENS * k), torch.full((2, FRAME_TOKENS), 500.0)], dim=1)
-        with torch.no_grad():
-            full = masked_full_forward(model, torch.cat(chunks[:k + 1], dim=2), per_token, text, None,
-                                       block_causal_mask([1] * (k + 1), FRAME_TOKENS))
-        outs.append(full[:, :, k:])
-    return outs
-
-
-def _rollout(model, text, chunks):
-    """Commit each chunk; denoise the next one at t=500 against the cache."""
-    clear_caches(model)
-    outs = []
-    for k, x in enumerate(chunks):
-        if k:
-            outs.append(forward(model, x, torch.full((2,), 500.0), text, start_frame=k))
-        forward(model, x, torch.zeros(2), text, start_frame=k, store_kv=True)
-    return outs
-
-
 def _assert_rollout_matches(model, text, chunks, reference):
-    for out, ref in zip(_rollout(model, text, chunks), reference, strict=True):
+    for out, ref in zip(causal_outputs(model, text, chunks), reference, strict=True):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
 def _assert_edit_refused(model, text, chunks, edit):
     """Fill two chunks, apply ``edit``, run a stock forward (which runs the offloading hooks), then the next cached
     forward must refuse the stale cache."""
-    _rollout(model, text, chunks[:2])
+    causal_outputs(model, text, chunks[:2])
     edit()
     forward(model, chunks[0], torch.zeros(2), text)
     with pytest.raises(RuntimeError, match=STALE):
@@ -82,7 +58,7 @@ def _kv_linears(model):
 @pytest.mark.parametrize("hook", [_replacing_hook, _swapping_hook], ids=["replaced_parameters", "swapped_tensors"])
 def test_parameters_replaced_or_swapped_each_forward(hook):
     model, text, chunks = _setup()
-    reference = _reference(model, text, chunks)
+    reference = masked_outputs(model, text, chunks)
     for linear in _kv_linears(model):
         linear.register_forward_pre_hook(hook)
     _assert_rollout_matches(model, text, chunks, reference)
@@ -102,7 +78,7 @@ def test_sequential_cpu_offload():
     """accelerate's cpu_offload (what enable_sequential_cpu_offload runs) leaves meta placeholders and loads a new
     Parameter on every forward: the guard reads the offloaded copies the forward loads."""
     model, text, chunks = _setup()
-    reference = _reference(model, text, chunks)
+    reference = masked_outputs(model, text, chunks)
     cpu_offload(model, execution_device=torch.device("cpu"))
     assert model.blocks[0].attn1.to_k.weight.is_meta
     _assert_rollout_matches(model, text, chunks, reference)
@@ -147,8 +123,8 @@ def test_every_edit_of_a_kv_weight_is_refused(route):
 
 def test_an_equal_parameter_or_a_move_is_no_edit():
     model, text, chunks = _setup()
-    reference = _reference(model, text, chunks)
-    _rollout(model, text, chunks[:2])
+    reference = masked_outputs(model, text, chunks)
+    causal_outputs(model, text, chunks[:2])
     state = projection_state(model)
     attn = model.blocks[1].attn1
     attn.to_k.weight = torch.nn.Parameter(attn.to_k.weight.detach().clone())

@@ -137,7 +137,7 @@ def _plain_tensors(tensors):
             yield tensor
             continue
         names, _ = tensor.__tensor_flatten__()
-        yield from _plain_tensors(getattr(tensor, name) for name in names)
+        yield from _plain_tensors(inner for inner in (getattr(tensor, name) for name in names) if inner is not None)
 
 
 # Words summed per kernel: bounds the int64 scratch (32 MiB) the checksum of a large weight takes on its device.
@@ -147,7 +147,8 @@ _CHECKSUM_SLICE = 1 << 22
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
     """An int64 checksum of the tensor's bytes, each word weighted by its position (1, 2, ...): exact integer
     arithmetic without overflow of a term, so a change of any one word, or two words exchanged, always changes it."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    # As a plain tensor: a subclass's torch function (GGUF's parameters) would wrap every intermediate result.
+    data = tensor.detach().as_subclass(torch.Tensor).contiguous().reshape(-1).view(torch.uint8)
     words = data.view(torch.int32) if data.numel() % 4 == 0 and data.storage_offset() % 4 == 0 else data
     total = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHECKSUM_SLICE):
