@@ -140,9 +140,11 @@ class RollingForcingSession(RolloutSession):
         window = self._inflight
         planner, chunk = self._window_planner(window)
         sigmas = self.sampling.sigmas
-        frame_sigmas = torch.cat([torch.full((c.chunk.size,), sigmas[c.step], dtype=torch.float32) for c in window])
+        frame_sigmas = torch.tensor([sigmas[c.step] for c in window for _ in range(c.chunk.size)])
+        # timesteps as the chunkwise sampler hands them over: sigma * 1000 in double precision, then float32
+        frame_steps = torch.tensor([sigmas[c.step] * 1000 for c in window for _ in range(c.chunk.size)])
         x = torch.cat([c.latents for c in window], dim=2)
-        flow = planner.flow(x, frame_sigmas * 1000, chunk)
+        flow = planner.flow(x, frame_steps, chunk)
         x0 = x - frame_sigmas.to(x.device)[None, None, :, None, None] * flow
         kept, finished, offset = [], None, 0
         for c in window:
