@@ -149,3 +149,11 @@ def direct_video(pipe, prompt: str, seed: int, chunks: int, **kwargs) -> tuple[n
     with stream:
         made = [next(stream) for _ in range(chunks)]
     return np.stack([np.asarray(image.convert("RGB")) for chunk in made for image in chunk.frames[0]]), made
+
+
+def assert_same_video(got: np.ndarray, expected: np.ndarray) -> None:
+    """Frames of sessions made in one batch equal those of separate streams to fp32 rounding (the batching's bound,
+    1e-5), which may move a value across a rounding step of the 8-bit PNG: by one level at most, and rarely."""
+    assert got.shape == expected.shape
+    difference = np.abs(got.astype(np.int16) - expected.astype(np.int16))
+    assert difference.max() <= 1 and (difference > 0).mean() < 1e-3, (difference.max(), (difference > 0).mean())

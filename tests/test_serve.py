@@ -13,7 +13,17 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from serve_helpers import SIZE, Viewer, direct_video, loopback_only, options, running_server, tiny_pipe, wait
+from serve_helpers import (
+    SIZE,
+    Viewer,
+    assert_same_video,
+    direct_video,
+    loopback_only,
+    options,
+    running_server,
+    tiny_pipe,
+    wait,
+)
 
 from diffusers_causal_kv.serve import app as app_module
 from diffusers_causal_kv.serve import sessions as sessions_module
@@ -62,7 +72,7 @@ def test_sessions_through_the_server_equal_separate_streams(pipe):
     for viewer, (prompt, seed) in zip(viewers, PROMPTS):
         expected, _ = direct_video(pipe, prompt, seed, chunks)
         assert expected.shape == (13, SIZE, SIZE, 3) and expected.std() > 1
-        np.testing.assert_array_equal(viewer.video(), expected)
+        assert_same_video(viewer.video(), expected)
         headers = [m for m in viewer.messages if m["type"] == "chunk"]
         assert [h["chunk"] for h in headers] == list(range(chunks))
         assert [h["video_frames"] for h in headers] == [[0, 1], [1, 5], [5, 9], [9, 13]]
@@ -133,7 +143,7 @@ def test_a_client_gone_mid_chunk_frees_its_cache_and_the_others_frames_are_uncha
         staying.until("done")
         staying.close()
     expected, _ = direct_video(pipe, *PROMPTS[1], 5)
-    np.testing.assert_array_equal(staying.video(), expected)
+    assert_same_video(staying.video(), expected)
 
 
 def test_sessions_past_the_memory_budget_are_refused_with_when_to_retry_and_admitted_later(pipe):
@@ -226,20 +236,31 @@ def test_malformed_and_oversized_requests_are_refused_and_change_nothing(pipe):
     np.testing.assert_array_equal(streaming.video(), direct_video(pipe, *PROMPTS[0], 5)[0])
 
 
-def test_settings_the_model_refuses_are_refused_before_a_session_exists(pipe, monkeypatch):
-    def refusing_stream(**kwargs):
-        raise ValueError("chunk_frames=2 does not fit this window; pass chunk_frames=1.")
+def test_settings_the_model_refuses_or_a_failing_start_change_nothing_and_the_loop_goes_on(pipe, monkeypatch):
+    errors = [ValueError("chunk_frames=2 does not fit this window; pass chunk_frames=1."),
+              RuntimeError("out of memory encoding the prompt")]
 
-    monkeypatch.setattr(pipe, "stream", refusing_stream)
+    def failing_stream(**kwargs):
+        raise errors.pop(0)
+
+    monkeypatch.setattr(pipe, "stream", failing_stream)
     with running_server(pipe, options()) as (address, loop):
         viewer = Viewer(address)
         viewer.send(type="start", prompt="x", chunk_frames=2)
         refused = viewer.until("error")
-        viewer.close()
+        viewer.send(type="start", prompt="x")
+        failed = viewer.until("error")
         assert loop.snapshot() == {}
+        monkeypatch.undo()
+        viewer.send(type="start", prompt="x", num_frames=1)
+        assert viewer.until("started")
+        viewer.until("done")
+        viewer.close()
     assert refused["code"] == "bad_value"
     assert refused["message"] == "the model refuses these settings: chunk_frames=2 does not fit this window; pass " \
         "chunk_frames=1."
+    assert failed == {"type": "error", "code": "session_failed", "message": "the server could not take this request: "
+                      "RuntimeError: out of memory encoding the prompt"}
 
 
 def test_the_token_is_required_when_set(pipe):
@@ -279,7 +300,7 @@ def test_a_stalled_client_loses_its_oldest_chunks_and_then_its_session_never_the
         assert boxes[0].dropped > 0
         for viewer in (stalled, reading):
             viewer.close()
-    np.testing.assert_array_equal(reading.video(), direct_video(pipe, *PROMPTS[1], 6)[0])
+    assert_same_video(reading.video(), direct_video(pipe, *PROMPTS[1], 6)[0])
 
 
 def test_the_mailbox_drops_the_oldest_waiting_chunk_never_a_reply():

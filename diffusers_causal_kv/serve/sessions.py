@@ -121,7 +121,11 @@ class SessionLoop:
                     for session in list(self._sessions.values()):
                         self._end(session, {"type": "stopped", "chunks": session.made, "reason": "server shutdown"})
                     return
-                self._handle(kind, client, request)
+                try:
+                    self._handle(kind, client, request)
+                except Exception as error:  # e.g. out of memory encoding a prompt: this request fails, not the loop
+                    client.post(error_message("session_failed", f"the server could not take this request: "
+                                              f"{type(error).__name__}: {error}"))
             self._end_idle()
             if self._sessions:
                 self._step()
