@@ -101,3 +101,18 @@ def test_two_replicas_serve_two_pinned_sessions_equal_to_one_process_on_loopback
     # which RAY_USAGE_STATS_ENABLED=0 keeps silent)
     heads = [p.cmdline() for p in psutil.Process().children(recursive=True) if "dashboard.py" in " ".join(p.cmdline())]
     assert heads and all("--disable-frontend" in c and "--modules-to-load=UsageStatsHead" in c for c in heads)
+
+
+def test_the_cluster_builder_takes_serve_run_arguments():
+    from ray.serve import Application
+
+    from diffusers_causal_kv.serve.ray_deployment import app_builder
+
+    app = app_builder({"model": "/shared/model", "replicas": "4", "gpus_per_replica": "1", "max_sessions": "3",
+                       "token": "s3cret", "height": "32"})
+    assert isinstance(app, Application)
+    deployment = app._bound_deployment
+    assert deployment.num_replicas == 4 and deployment.max_ongoing_requests == 3
+    assert deployment.ray_actor_options["num_gpus"] == 1.0
+    model, options, *_ = deployment.init_args
+    assert model == "/shared/model" and (options.max_sessions, options.token, options.height) == (3, "s3cret", 32)
