@@ -1,9 +1,11 @@
 """A local Gradio page for ``CausalWanPipeline.stream()``: frames on screen chunk by chunk, a prompt switch while it
 runs, and Stop.
 
-    python examples/stream_app.py        # tiny random components: the frames are coloured noise
+    python examples/stream_app.py        # the tiny sprite model of models/tiny-sprites, at its 32x32
+    python examples/stream_app.py --random   # tiny random components: the frames are coloured noise
 
-then open http://127.0.0.1:7860. Real weights, as in ``examples/causal_rollout.py``:
+then open http://127.0.0.1:7860, press Start, and try "Switch prompt" with "blue square moving down". Real
+weights, as in ``examples/causal_rollout.py``:
 
     python examples/stream_app.py --checkpoint self_forcing_dmd.pt \\
         --model-id Wan-AI/Wan2.1-T2V-1.3B-Diffusers --height 480 --width 832
@@ -11,7 +13,8 @@ then open http://127.0.0.1:7860. Real weights, as in ``examples/causal_rollout.p
 Start streams until Stop (or ``--max-chunks``): each chunk is decoded as soon as it is committed and its frames are
 shown one by one at ``--fps``, with the chunk's latency, the time to first frame and the prompt the chunk was made
 with. "Switch prompt" hands the new prompt to the running stream (``CausalWanStream.switch_prompt``): the next chunk
-is made with it. Stop closes the stream after the chunk in progress, so the cache holds whole chunks only.
+is made with it. Stop closes the stream after the chunk in progress, so the cache holds whole chunks only. An empty
+prompt (to Start or to Switch) is refused on the page and changes nothing.
 
 Nothing leaves the machine: the page is served on 127.0.0.1 only, without a share link, with Gradio's analytics
 (and its version check) off and system fonts only.
@@ -53,21 +56,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-id", default=None,
                         help="diffusers-format Wan pipeline (hub id or folder): the base components, or the whole "
-                             "causal pipeline without --checkpoint; default: tiny random components")
+                             "causal pipeline without --checkpoint; default: the tiny sprite model in "
+                             "models/tiny-sprites")
     parser.add_argument("--checkpoint", default=None,
                         help="causal transformer (converted folder or a peer's checkpoint file); needs --model-id")
-    parser.add_argument("--prompt", default="a red fox running through fresh snow, cinematic",
-                        help="the prompt the page starts with")
+    parser.add_argument("--random", action="store_true",
+                        help="tiny random components built in code instead of the sprite model (frames of noise)")
+    parser.add_argument("--prompt", default=None,
+                        help="the prompt the page starts with (default: 'red ball moving right' for the sprite "
+                             "model, a fox in the snow otherwise)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--height", type=int, default=64)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--height", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
+    parser.add_argument("--width", type=int, default=None, help="default: 32 for the sprite model, 64 otherwise")
     parser.add_argument("--chunk-frames", type=int, default=None,
                         help="latent frames per chunk (default: the checkpoint's)")
     parser.add_argument("--max-chunks", type=int, default=None, help="end each stream after this many chunks")
     parser.add_argument("--fps", type=float, default=16.0,
                         help="frames per second at which a chunk's frames are shown (0: as fast as they come)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sprites = args.checkpoint is None and args.model_id is None and not args.random
+    size = 32 if sprites else 64  # the sprite model's trained resolution
+    args.height, args.width = args.height or size, args.width or size
+    if args.prompt is None:
+        args.prompt = "red ball moving right" if sprites else "a red fox running through fresh snow, cinematic"
+    return args
 
 
 class Session:
@@ -125,6 +138,9 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
     sessions: dict[str, Session] = {}
 
     def start(text: str, request: gr.Request):
+        if not text.strip():
+            yield gr.skip(), "a prompt is needed: type one, then press Start"
+            return
         generator = torch.Generator(pipe.device).manual_seed(seed)
         stream = pipe.stream(prompt=text, height=height, width=width, num_frames=None, chunk_frames=chunk_frames,
                              generator=generator)
@@ -154,6 +170,8 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
                 del sessions[request.session_hash]
 
     def switch(text: str, request: gr.Request) -> str:
+        if not text.strip():
+            return "type the new prompt first: an empty prompt is not switched to"
         session = sessions.get(request.session_hash)
         if session is None:
             return "nothing is streaming: press Start"
@@ -172,11 +190,11 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
         gr.Markdown("## Causal Wan stream\nFrames appear chunk by chunk as the KV-cached rollout decodes them.")
         with gr.Row():
             with gr.Column():
-                prompt_box = gr.Textbox(prompt, label="prompt")
+                prompt_box = gr.Textbox(prompt, label="prompt", elem_id="prompt")
                 with gr.Row():
                     start_button = gr.Button("Start", variant="primary")
                     stop_button = gr.Button("Stop", variant="stop")
-                switch_box = gr.Textbox("", label="new prompt (from the next chunk on)")
+                switch_box = gr.Textbox("", label="new prompt (from the next chunk on)", elem_id="switch")
                 switch_button = gr.Button("Switch prompt")
                 switch_note = gr.Markdown("")
             with gr.Column():
@@ -201,9 +219,7 @@ def launch(app: gr.Blocks, port: int, prevent_thread_lock: bool = False) -> gr.B
 def main(argv=None, prevent_thread_lock: bool = False) -> gr.Blocks:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rollout = _causal_rollout()
-    tiny = args.checkpoint is None and args.model_id is None
-    pipe = (rollout.tiny_pipeline(args.seed) if tiny else rollout.load_pipeline(args, device)).to(device)
+    pipe = _causal_rollout().load_pipeline(args, device).to(device)
     app = build_app(pipe, prompt=args.prompt, height=args.height, width=args.width, chunk_frames=args.chunk_frames,
                     max_chunks=args.max_chunks, fps=args.fps, seed=args.seed)
     print(f"serving on http://{HOST}:{args.port}/ (local only)")

@@ -79,11 +79,20 @@ def test_a_checkpoint_without_model_id_ends_with_one_line(stream_app):
         stream_app.main(["--checkpoint", "self_forcing_dmd.pt"])
 
 
+def test_the_page_loads_the_shipped_sprite_model_at_its_trained_resolution_by_default(stream_app):
+    args = stream_app.parse_args([])
+    assert (args.random, args.height, args.width, args.prompt) == (False, 32, 32, "red ball moving right")
+    pipe = _load("causal_rollout").load_pipeline(args, torch.device("cpu"))
+    assert pipe.transformer.config.num_layers > 0 and pipe.tokenizer("red").input_ids[0] != pipe.tokenizer.unk_token_id
+    random = stream_app.parse_args(["--random"])
+    assert (random.height, random.width) == (64, 64) and random.prompt != args.prompt
+
+
 @pytest.fixture(scope="module")
 def bounded(stream_app):
-    """The app as ``main`` starts it (tiny pipeline), each stream ending after 3 chunks."""
+    """The app as ``main`` starts it with ``--random`` (tiny pipeline), each stream ending after 3 chunks."""
     port = _free_port()
-    app = stream_app.main([*SIZE, "--port", str(port), "--max-chunks", "3", "--prompt", OLD],
+    app = stream_app.main(["--random", *SIZE, "--port", str(port), "--max-chunks", "3", "--prompt", OLD],
                           prevent_thread_lock=True)
     yield f"http://127.0.0.1:{port}/"
     app.close()
@@ -222,6 +231,22 @@ def test_a_prompt_switch_applies_from_the_next_chunk_and_stop_ends_the_stream(st
     np.testing.assert_array_equal(np.stack([shown[i] for i in range(len(expected))]), expected)
 
 
+def test_an_empty_prompt_is_refused_on_the_page_and_changes_nothing(unbounded, tmp_path):
+    url, pipe = unbounded
+    client = _client(url, tmp_path)
+    job = client.submit("  ", api_name="/start")
+    _wait(job.done, what="the refused start")
+    assert [status for _, status in job.outputs()] == ["a prompt is needed: type one, then press Start"]
+    assert client.predict(api_name="/stop") == "nothing is streaming"  # no stream was opened
+    job = client.submit(OLD, api_name="/start")
+    _wait(lambda: len(job.outputs()) >= 1, what="the first frame")
+    assert client.predict("", api_name="/switch") == "type the new prompt first: an empty prompt is not switched to"
+    _wait(lambda: len(_chunk_prompts(job.outputs())) >= 3, what="three chunks")
+    assert set(_chunk_prompts(job.outputs())) == {OLD}  # the empty switch was not applied
+    assert client.predict(api_name="/stop").startswith("stopped after ")
+    _wait(job.done, seconds=30, what="the stream to end after Stop")
+
+
 def test_stop_without_a_stream_says_so(unbounded, tmp_path):
     assert _client(unbounded[0], tmp_path).predict(api_name="/stop") == "nothing is streaming"
 
@@ -278,3 +303,4 @@ def test_the_page_streams_frames_until_stop_in_chromium_and_requests_nothing_out
     outside = [url for url in urls
                if not re.match(r"(https?://(127\.0\.0\.1|localhost)(:\d+)?/|data:|blob:)", url)]
     assert outside == []
+
