@@ -49,9 +49,12 @@ from diffusers_causal_kv.testing import decode_latents
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from sprites import task, track  # noqa: E402
+from sprites import judge, task, track  # noqa: E402
 
 PROMPTS = ["red ball moving right", "green square moving left", "blue ball moving down", "yellow square moving up"]
+# Every colour, both shapes and every direction, each twice: the prompt-following table.
+FOLLOW_PROMPTS = PROMPTS + ["red square moving up", "green ball moving down", "blue square moving right",
+                            "yellow ball moving left"]
 SWITCH_TO = {"red": "blue", "green": "yellow", "blue": "red", "yellow": "green"}
 
 
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="PNG of per-chunk metrics over --plot-chunks chunks")
     parser.add_argument("--plot-chunks", type=int, default=500)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--follow-seeds", type=int, nargs="*", default=[0],
+                        help="seeds of the prompt-following table (none: skip it)")
     return parser.parse_args(argv)
 
 
@@ -221,6 +226,43 @@ def run_table(bench: Bench, chunks: int, windows: list[int], sink: int) -> dict:
     return rows
 
 
+def prompt_following(pipe: CausalWanPipeline, seed: int, switch_chunk: int = 3) -> dict:
+    """Does the model do what its prompts say? The pipeline call with the model's own settings (as the main job
+    runs it) for :data:`FOLLOW_PROMPTS`, judged frame by frame (``examples/sprites/judge.py``), and a stream whose
+    prompt switches from yellow to green before chunk ``switch_chunk``: how many chunks until green shows, and the
+    share of green frames from the switch on."""
+    chunk, size = pipe.causal_config.chunk_frames, task.SIZE
+    verdicts = []
+    for prompt in FOLLOW_PROMPTS:
+        frames = pipe(prompt=prompt, height=size, width=size, output_type="np",
+                      generator=torch.Generator().manual_seed(seed)).frames[0]
+        verdicts.append(judge.judge(frames, prompt, chunk))
+    result = judge.summary(verdicts)
+    old, new = "yellow ball moving right", "green ball moving right"
+    stream = pipe.stream(prompt=old, height=size, width=size, output_type="np", prompt_schedule={switch_chunk: new},
+                         num_frames=pipe.causal_config.num_frames, generator=torch.Generator().manual_seed(seed))
+    frames = np.concatenate([made.frames[0] for made in stream])
+    split = switch_chunk * chunk
+    verdict = judge.judge(frames, [old] * split + [new] * (len(frames) - split), chunk)
+    result["switch_chunks"] = judge.chunks_to_new_colour(verdict, "green", split, chunk)
+    result["switch_new_colour"] = float(verdict.colour_right[split:].mean())
+    return result
+
+
+def print_following(results: dict[int, dict]) -> None:
+    header = (f"{'seed':>4} {'sprite':>7} {'colour':>7} {'shape':>6} {'direction':>9} {'speed':>6} {'/task':>6} "
+              f"{'switch: chunks':>14} {'new colour':>10}")
+    print(header)
+    print("-" * len(header))
+    for seed, r in results.items():
+        print(f"{seed:>4} {r['present']:7.2f} {r['colour']:7.2f} {r['shape']:6.2f} "
+              f"{r['direction']:>5}/{r['videos']:<3} "
+              f"{r['speed']:6.2f} {r['speed_ratio']:6.2f} {str(r['switch_chunks']):>14} {r['switch_new_colour']:10.2f}")
+    print(f"(fractions of frames: a sprite; the prompt's colour (of all frames); the prompt's shape (of frames with a "
+          f"sprite); videos starting off the prompt's way; median px/frame, the task's is {judge.TASK_SPEED:.2f}; "
+          "a yellow -> green switch: chunks until green shows, green frames from the switch on)")
+
+
 def print_table(rows: dict, floor: float) -> None:
     header = f"{'setting':<40} {'present':>7} {'physics':>7} {'speed':>6} {'drift':>6} | {'late: present':>13} " \
              f"{'physics':>7} {'drift':>6} {'s':>5}"
@@ -304,6 +346,12 @@ def main(argv=None) -> dict:
     print_table(rows, floor)
     result = {"chunks": args.chunks, "prompts": len(bench.prompts), "seed": args.seed, "vae_floor_physics_px": floor,
               "rows": rows}
+    if args.follow_seeds:  # the pipeline as loaded, with its own engines (the table's rollouts bring theirs)
+        pipe = CausalWanPipeline.from_pretrained(args.model)
+        pipe.set_progress_bar_config(disable=True)
+        result["following"] = {seed: prompt_following(pipe, seed) for seed in args.follow_seeds}
+        print(f"prompt following: {len(FOLLOW_PROMPTS)} prompts, the pipeline call with the model's settings")
+        print_following(result["following"])
     if args.plot is not None:
         result["long"] = plot_long(bench, args.plot_chunks, args.windows, args.sink, args.plot)
         print(f"wrote {args.plot}")

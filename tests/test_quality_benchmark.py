@@ -43,6 +43,38 @@ def test_small_quality_run_scores_every_setting_and_plots(quality, tmp_path, cap
     assert plot.stat().st_size > 0
     out = capsys.readouterr().out
     assert "setting" in out and json.loads(out.strip().splitlines()[-1])["rows"].keys() == rows.keys()
+    following = result["following"][0]  # the prompt-following table at seed 0 (the default)
+    assert following["videos"] == len(quality.FOLLOW_PROMPTS) == 8
+    for name in ("present", "colour", "shape"):
+        assert 0 <= following[name] <= 1, name
+    assert 0 <= following["direction"] <= 8 and following["speed"] >= 0
+    assert following["switch_chunks"] is None or following["switch_chunks"] >= 1
+    assert "prompt following" in out
+
+
+def test_the_judge_scores_the_task_s_own_videos_as_following_their_prompts():
+    """The prompt-following judge (``examples/sprites/judge.py``) against the rendered task: every frame has the
+    sprite in its prompt's colour and shape, every video starts off the prompt's way (bounces in the first chunk
+    included), the median speed is the task's; a wrong prompt or an empty frame is scored as such."""
+    sys.path.insert(0, str(SCRIPT.parents[1] / "examples"))
+    import numpy as np
+    from sprites import judge, task
+
+    rng = np.random.default_rng(0)
+    clips = [task.sample_clip(24, rng, task.PROMPTS[i % len(task.PROMPTS)]) for i in range(96)]
+    right = judge.summary([judge.judge(c.frames, c.prompts[0], 3) for c in clips])
+    assert (right["present"], right["colour"], right["shape"], right["direction"]) == (1.0, 1.0, 1.0, 96)
+    assert abs(right["speed_ratio"] - 1) < 0.05
+    other = {"red": "blue", "green": "yellow", "blue": "red", "yellow": "green"}
+    wrong = [task.Sprite(other[s.colour], "square" if s.shape == "ball" else "ball",
+                         {"left": "right", "right": "left", "up": "down", "down": "up"}[s.direction]).prompt
+             for s in (task.Sprite.parse(c.prompts[0]) for c in clips)]
+    scored = judge.summary([judge.judge(c.frames, p, 3) for c, p in zip(clips, wrong)])
+    # a sprite that bounces in its first chunk, or starts by the wall it comes from, may pass the reversed prompt
+    assert (scored["present"], scored["colour"], scored["shape"]) == (1.0, 0.0, 0.0) and scored["direction"] < 48
+    blank = judge.judge(np.tile(np.array(task.BACKGROUND, dtype=np.float32), (6, task.SIZE, task.SIZE, 1)),
+                        "red ball moving right", 3)
+    assert not blank.present.any() and not blank.direction_right
 
 
 def test_plot_without_matplotlib_fails_before_the_run(quality, monkeypatch, capsys):
