@@ -1835,6 +1835,43 @@ def engine_of_another_kv_dtype():
     return _engine_args(lambda: StaticKVCacheEngine(max_frames=4, kv_dtype=torch.bfloat16))
 
 
+# Memory plan
+def _plan(**kwargs):
+    from diffusers_causal_kv.memory_plan import memory_plan
+
+    return _engine_args(lambda: memory_plan(**{"model": "wan2.1-1.3b", **kwargs}))
+
+
+@case(ValueError, "is neither a preset", "wan2.1-1.3b")
+def plan_of_an_unknown_model():
+    return _plan(model="wan9")
+
+
+@case(ValueError, "is not planned", "gguf-q4_k")
+def plan_of_nvfp4_weights():
+    return _plan(weights="nvfp4")
+
+
+@case(ValueError, "is not a planned", "cache_dtype='int4'")
+def plan_of_an_unknown_cache_dtype():
+    return _plan(cache_dtype="int4")
+
+
+@case(ValueError, "must be multiples of 16 (8x VAE", "480x830")
+def plan_of_an_odd_size():
+    return _plan(width=830)
+
+
+@case(ValueError, "does not fit next to the sink in window_frames", "chunk_frames=3")
+def plan_of_a_chunk_past_the_window():
+    return _plan(window_frames=4, sink_frames=2)
+
+
+@case(ValueError, "does not divide the", "context_parallel=7")
+def plan_of_an_uneven_context_parallel_split():
+    return _plan(context_parallel=7)
+
+
 # The stream server: a client's request is refused whole (the session table is checked unchanged in
 # tests/test_serve.py; here, an installed model's cache)
 def _request(text):
@@ -1863,7 +1900,8 @@ for _fragment, _detail, _text in [
     ("characters, got", "at most 20 characters, got 21", '{"type": "start", "prompt": "' + "x" * 21 + '"}'),
     ("must be an integer from", "height must be an integer from 16 to 480, got 4096",
      '{"type": "start", "prompt": "x", "height": 4096}'),
-    ("must be a multiple of", "width must be a multiple of 16, got 40", '{"type": "start", "prompt": "x", "width": 40}'),
+    ("must be a multiple of", "width must be a multiple of 16, got 40",
+     '{"type": "start", "prompt": "x", "width": 40}'),
     ("k + 1 video frames", "got 6", '{"type": "start", "prompt": "x", "num_frames": 6}'),
     ("guidance_scale must be a number from 1 to", "got nan",
      '{"type": "start", "prompt": "x", "guidance_scale": NaN}'),
