@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -184,7 +185,7 @@ def _check(weights, cache_dtype, compute_dtype, offload, height, width, chunk_fr
                                  ("compute_dtype", compute_dtype, ("fp32", "bf16", "fp16")),
                                  ("offload", offload, OFFLOAD_MODES)):
         if value not in allowed:
-            raise ValueError(f"{what}={value!r} is not one of {', '.join(allowed)}; pass one of those.")
+            raise ValueError(f"{what}={value!r} is not a planned {what}; pass one of {', '.join(allowed)}.")
     if height % 16 or width % 16:
         raise ValueError(f"height and width must be multiples of 16 (8x VAE, 2x2 patches), got {height}x{width}.")
     if window_frames is not None and chunk_frames > window_frames - sink_frames:
@@ -222,4 +223,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
