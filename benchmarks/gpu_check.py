@@ -3,8 +3,9 @@
 * the real-time rows of ``benchmarks/realtime.py`` on the Wan2.1-1.3B stream shape (eager, compiled, compiled with
   CUDA graphs, the fp8 cache, guidance separate and batched): steady-state frames per second and peak CUDA memory;
 * quantized weights on a Wan2.1-1.3B-shaped transformer of ``--layers`` blocks: weight memory and the median time of
-  one chunk forward for bf16, torchao int8 and float8 weight-only and bitsandbytes 8-bit, and each route's cached
-  rollout against the masked full-sequence forward of the same quantized model;
+  one chunk forward for bf16, torchao int8 and float8 weight-only and bitsandbytes 8-bit (the cached rollout of each
+  CPU route against the masked full-sequence forward of the same quantized model is in
+  ``tests/test_quantized_weights.py``);
 * the memory plan against ``torch.cuda.max_memory_allocated`` for one cached chunk forward of that transformer.
 
 ``python benchmarks/gpu_check.py``; on a machine without CUDA it says so and exits with status 0.
