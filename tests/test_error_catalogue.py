@@ -1910,7 +1910,7 @@ for _fragment, _detail, _text in [
     _request_case(_fragment, _detail, _text)
 
 
-@case(ValueError, "and at most the limit", "the default height 40 must be a multiple of 16")
+@case(ValueError, "and at most the limit", "the default height 40 must be a multiple of 16", cached=False)
 def server_with_a_default_size_past_its_limits():
     from diffusers_causal_kv.serve.server import ServerOptions, create_server
 
