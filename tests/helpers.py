@@ -4,7 +4,9 @@ diffusers code only). The tiny random models and their inputs come from :mod:`di
 from __future__ import annotations
 
 import contextlib
+import socket
 
+import pytest
 import torch
 
 from diffusers_causal_kv import CausalContext
@@ -128,3 +130,39 @@ def masked_outputs(model, text, chunks, t: float = 500.0) -> list[torch.Tensor]:
                                        block_causal_mask([1] * (k + 1), frame_tokens))
         outs.append(full[:, :, k:])
     return outs
+
+
+def _local(host) -> bool:
+    return str(host).startswith(("127.", "::1", "localhost"))
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Refuse and record every connection or name lookup of this process to anything but the loopback; none may
+    have happened."""
+    outside = []
+    connect_, getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def local_connect(sock, address):
+        if isinstance(address, tuple) and not _local(address[0]):
+            outside.append(address)
+            raise OSError(f"test: no connection outside the machine ({address})")
+        return connect_(sock, address)
+
+    def local_getaddrinfo(host, *args, **kwargs):
+        if host is not None and not _local(host):
+            outside.append(host)
+            raise socket.gaierror(f"test: no name lookup outside the machine ({host})")
+        return getaddrinfo(host, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", local_connect)
+        patch.setattr(socket, "getaddrinfo", local_getaddrinfo)
+        yield
+    assert outside == []
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

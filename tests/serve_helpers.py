@@ -1,20 +1,19 @@
-"""Shared by the server tests: a tiny pipeline, a server on 127.0.0.1 in this process, a WebSocket client, and a
-guard that refuses (and records) every connection or name lookup of this process outside the loopback."""
+"""Shared by the server tests: a tiny pipeline, a server on 127.0.0.1 in this process, a WebSocket client (and, from
+``helpers``, the guard that refuses every connection or name lookup outside the loopback)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
-import socket
 import threading
 import time
 
 import numpy as np
 import PIL.Image
-import pytest
 import torch
 import uvicorn
+from helpers import free_port, loopback_only  # noqa: F401 (re-exported: the server tests import them from here)
 from websockets.sync.client import connect
 
 from diffusers_causal_kv import CausalConfig, CausalWanPipeline
@@ -38,42 +37,6 @@ def tiny_pipe(seed: int = 0) -> CausalWanPipeline:
 
 def options(**changes) -> ServerOptions:
     return ServerOptions(**{"budget": 10**9, "height": SIZE, "width": SIZE, "limits": LIMITS, **changes})
-
-
-def _local(host) -> bool:
-    return str(host).startswith(("127.", "::1", "localhost"))
-
-
-@contextlib.contextmanager
-def loopback_only():
-    """Refuse and record every connection or name lookup of this process to anything but the loopback; none may
-    have happened."""
-    outside = []
-    connect_, getaddrinfo = socket.socket.connect, socket.getaddrinfo
-
-    def local_connect(sock, address):
-        if isinstance(address, tuple) and not _local(address[0]):
-            outside.append(address)
-            raise OSError(f"test: no connection outside the machine ({address})")
-        return connect_(sock, address)
-
-    def local_getaddrinfo(host, *args, **kwargs):
-        if host is not None and not _local(host):
-            outside.append(host)
-            raise socket.gaierror(f"test: no name lookup outside the machine ({host})")
-        return getaddrinfo(host, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(socket.socket, "connect", local_connect)
-        patch.setattr(socket, "getaddrinfo", local_getaddrinfo)
-        yield
-    assert outside == []
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager

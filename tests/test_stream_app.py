@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from helpers import free_port, loopback_only
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SIZE = ["--height", "32", "--width", "32", "--chunk-frames", "1", "--fps", "0"]
@@ -35,43 +35,15 @@ def _load(name: str):
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _local(host) -> bool:
-    return str(host).startswith(("127.", "::1", "localhost"))
-
-
 @pytest.fixture(scope="module")
 def stream_app(tmp_path_factory):
     """The example module; while its tests run, every connection or name lookup of this process (the servers, the
     clients) to anything but the loopback is refused and recorded, and none may have happened."""
-    outside = []
-    connect, getaddrinfo = socket.socket.connect, socket.getaddrinfo
-
-    def local_connect(sock, address):
-        if isinstance(address, tuple) and not _local(address[0]):
-            outside.append(address)
-            raise OSError(f"test: no connection outside the machine ({address})")
-        return connect(sock, address)
-
-    def local_getaddrinfo(host, *args, **kwargs):
-        if host is not None and not _local(host):
-            outside.append(host)
-            raise socket.gaierror(f"test: no name lookup outside the machine ({host})")
-        return getaddrinfo(host, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, loopback_only():
         patch.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))  # the frames the server writes
         # gradio_client's Client builds huggingface_hub headers, which fetch a registry from the Hub unless offline
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        patch.setattr(socket.socket, "connect", local_connect)
-        patch.setattr(socket, "getaddrinfo", local_getaddrinfo)
         yield _load("stream_app")
-    assert outside == []
 
 
 def test_a_checkpoint_without_model_id_ends_with_one_line(stream_app):
@@ -91,7 +63,7 @@ def test_the_page_loads_the_shipped_sprite_model_at_its_trained_resolution_by_de
 @pytest.fixture(scope="module")
 def bounded(stream_app):
     """The app as ``main`` starts it with ``--random`` (tiny pipeline), each stream ending after 3 chunks."""
-    port = _free_port()
+    port = free_port()
     app = stream_app.main(["--random", *SIZE, "--port", str(port), "--max-chunks", "3", "--prompt", OLD],
                           prevent_thread_lock=True)
     yield f"http://127.0.0.1:{port}/"
@@ -102,7 +74,7 @@ def bounded(stream_app):
 def unbounded(stream_app):
     """(url, pipe): ``build_app`` on a tiny pipeline, streaming until Stop."""
     pipe = _load("causal_rollout").tiny_pipeline(SEED)
-    port = _free_port()
+    port = free_port()
     app = stream_app.launch(stream_app.build_app(pipe, height=32, width=32, chunk_frames=1, fps=0, seed=SEED), port,
                             prevent_thread_lock=True)
     yield f"http://127.0.0.1:{port}/", pipe
