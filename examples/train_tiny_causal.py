@@ -2,7 +2,7 @@
 
     python examples/train_tiny_causal.py --output models/tiny-sprites --plot docs/tiny_sprites_loss.png
 
-Two stages, both seeded (``--seed``):
+Three stages, all seeded (``--seed``):
 
 1. **VAE.** A tiny stock ``AutoencoderKLWan`` (4x spatial, no temporal compression, 16 latent channels) learns to
    reconstruct 5-frame sprite clips (``examples/sprites/task.py``): weighted L1 + MSE with the sprite pixels weighted
@@ -17,9 +17,19 @@ Two stages, both seeded (``--seed``):
    clips change colour at a chunk boundary, with the prompt naming the new colour and no loss on the chunks before
    the switch: what a prompt switch with a re-cache shows the model.
 
-The prompts are encoded by the pipeline's own text path (``tiny_tokenizer`` and ``tiny_text_encoder``: a random
-UMT5 encoder frozen at its seed-0 initialisation, deterministic per prompt). The folder written by ``--output`` is
-a ``CausalWanPipeline`` (tokenizer, text encoder, VAE, scheduler, transformer, ``causal_config.json``).
+The flow-matching losses weight the latent pixels the sprite covers (and their neighbours) ``1 + --sprite-weight``
+times: the sprite is ~5% of a frame, and its colour, shape and motion are what the prompt says. A crop's first chunk,
+the only one whose colour, shape and direction no context gives, weighs ``--first-chunk-weight`` times the others.
+
+3. **Self-forcing** (``--self-forcing-steps``, 0 by default: not yet part of the shipped model's recipe). The model
+   continues a real clip's first chunk with ``self_forcing_rollout(context_latents=...)`` (few steps, guidance, each
+   chunk attending to the model's own earlier chunks) and is regressed on the clip's own continuation, plus one
+   teacher-forcing loss per step.
+
+The prompts are encoded by the pipeline's own text path: the word-level tokenizer and tiny random UMT5 encoder of
+``examples/sprites/text.py`` (``--text words``, one token per task word; ``--text chars`` for the package's
+character-level ``tiny_tokenizer``), frozen, deterministic per prompt. The folder written by ``--output`` is a
+``CausalWanPipeline`` (tokenizer, text encoder, VAE, scheduler, transformer, ``causal_config.json``).
 """
 
 from __future__ import annotations
@@ -36,11 +46,20 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-from diffusers_causal_kv import CausalConfig, CausalContext, CausalWanAttnProcessor, CausalWanPipeline, chunk_schedule
+from diffusers_causal_kv import (
+    CausalConfig,
+    CausalContext,
+    CausalWanAttnProcessor,
+    CausalWanPipeline,
+    VanillaKVCacheEngine,
+    chunk_schedule,
+    self_forcing_rollout,
+)
 from diffusers_causal_kv.testing import tiny_text_encoder, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sprites import task  # noqa: E402
+from sprites.text import sprite_text_encoder, sprite_tokenizer  # noqa: E402
 
 VAE_CLIP_FRAMES = 5  # the Wan VAE encodes the first frame, then groups of 4: 5 frames exercise its causal cache
 # Sampling settings saved with the model: a rolling window of 9 frames with re-indexed positions, so a chunk of any
@@ -51,7 +70,7 @@ SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4000, help="transformer training steps")
+    parser.add_argument("--steps", type=int, default=6000, help="transformer training steps")
     parser.add_argument("--vae-steps", type=int, default=1000, help="VAE training steps")
     parser.add_argument("--clips", type=int, default=400, help="training clips encoded for the transformer")
     parser.add_argument("--clip-frames", type=int, default=25, help="frames per encoded clip (4k+1)")
@@ -67,7 +86,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="fraction of samples trained on the empty prompt (for classifier-free guidance)")
     parser.add_argument("--vae-from", default=None,
                         help="a trained VAE folder (e.g. a previous run's OUTPUT/vae) instead of training one")
+    parser.add_argument("--transformer-from", default=None,
+                        help="a trained transformer folder (e.g. OUTPUT/transformer) to start from instead of a new one")
     parser.add_argument("--switch-fraction", type=float, default=0.2)
+    parser.add_argument("--sprite-weight", type=float, default=10.0,
+                        help="extra loss weight of the latent pixels the sprite covers (and their neighbours)")
+    parser.add_argument("--first-chunk-weight", type=float, default=3.0,
+                        help="loss weight of a crop's first chunk (the only one no context tells colour, shape or "
+                             "direction) relative to the others")
+    parser.add_argument("--start-fraction", type=float, default=0.0,
+                        help="fraction of crops taken from the start of a clip, whose first latent frame the VAE "
+                             "encodes (and decodes) as a video's first frame, as a rollout's first chunk is")
+    parser.add_argument("--self-forcing-steps", type=int, default=0,
+                        help="steps of the self-forcing stage after teacher forcing")
+    parser.add_argument("--self-forcing-lr", type=float, default=2e-4)
+    parser.add_argument("--self-forcing-batch", type=int, default=8)
+    parser.add_argument("--text", choices=("words", "chars"), default="words")
     parser.add_argument("--fixed-batch", action="store_true",
                         help="reuse one batch (data and noise) for every transformer step (a smoke test)")
     parser.add_argument("--seed", type=int, default=0)
@@ -163,6 +197,16 @@ def encode_clips(vae: AutoencoderKLWan, clips: list[task.Clip], batch: int = 16)
     return torch.cat(out)
 
 
+def sprite_maps(clips: list[task.Clip], scale: int = 4) -> torch.Tensor:
+    """``[clips, frames, 8, 8]``: 1 on the latent pixels whose ``scale x scale`` pixel patch the sprite touches, or
+    a neighbour of one does (the background it leaves behind changes too), else 0."""
+    frames = torch.from_numpy(np.stack([c.frames for c in clips]))  # [N, F, H, W, 3]
+    covered = ((frames - torch.tensor(task.BACKGROUND)).abs().sum(-1) > 0.05).float()
+    n, f, h, w = covered.shape
+    pooled = F.max_pool2d(covered.view(n * f, 1, h, w), scale)
+    return F.max_pool2d(pooled, 3, stride=1, padding=1).view(n, f, h // scale, w // scale)
+
+
 def set_latent_statistics(vae: AutoencoderKLWan, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mean = latents.mean(dim=(0, 2, 3, 4))
     std = latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
@@ -188,14 +232,18 @@ def crop(clip: task.Clip, args, rng: np.random.Generator) -> tuple[int, int]:
     length, chunk = args.train_frames, args.chunk_frames
     switch = next((i for i, p in enumerate(clip.prompts) if p != clip.prompts[0]), None)
     if switch is None:
+        if args.start_fraction and rng.random() < args.start_fraction:
+            return 0, 0
         return int(rng.integers(0, args.clip_frames - length + 1)), 0
     options = [k for k in range(1, length // chunk) if 0 <= switch - k * chunk <= args.clip_frames - length]
     k = options[int(rng.integers(len(options)))]
     return switch - k * chunk, k
 
 
-def training_batch(latents, clips, embeds, args, rng, generator):
-    """Normalised clean latents, noise, per-chunk noise levels, prompt embeddings and per-chunk loss weights."""
+def training_batch(latents, maps, clips, embeds, args, rng, generator):
+    """Normalised clean latents, noise, per-chunk noise levels, prompt embeddings and per-latent-pixel loss weights
+    ``[batch, frames, h, w]`` (zero on the chunks before a switch, ``--first-chunk-weight`` on the first chunk,
+    ``1 + --sprite-weight`` where the sprite is)."""
     sizes = chunk_schedule(args.train_frames, args.chunk_frames)
     index = rng.integers(0, len(clips), size=args.batch)
     clean, texts, weights = [], [], []
@@ -204,11 +252,20 @@ def training_batch(latents, clips, embeds, args, rng, generator):
         clean.append(latents[i, :, offset:offset + args.train_frames])
         prompt = clips[i].prompts[-1] if first else clips[i].prompts[offset]
         texts.append(embeds["" if rng.random() < args.text_dropout else prompt])
-        weights.append([0.0 if k < first else 1.0 for k in range(len(sizes))])
+        per_chunk = torch.tensor([0.0 if k < first else args.first_chunk_weight if k == 0 else 1.0
+                                  for k in range(len(sizes))]).repeat_interleave(torch.tensor(sizes))
+        sprite = maps[i, offset:offset + args.train_frames]
+        weights.append(per_chunk.view(-1, 1, 1) * (1 + args.sprite_weight * sprite))
     clean = torch.stack(clean)
     noise = torch.randn(clean.shape, generator=generator)
     levels = torch.rand(args.batch, len(sizes), generator=generator)
-    return clean, noise, levels, torch.cat(texts), torch.tensor(weights)
+    return clean, noise, levels, torch.cat(texts), torch.stack(weights)
+
+
+def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean squared error over channels, weighted per latent pixel by ``weights`` (``[batch, frames, h, w]``)."""
+    per_pixel = ((prediction - target) ** 2).mean(dim=1)
+    return (per_pixel * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
 def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk_frames) -> torch.Tensor:
@@ -222,35 +279,33 @@ def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk
     with CausalContext(transformer, mode="teacher_forcing", chunk_frames=chunk_frames):
         flow = transformer(hidden_states=torch.cat([clean, noisy], dim=2), timestep=per_token,
                            encoder_hidden_states=text, return_dict=False)[0][:, :, frames:]
-    per_frame = ((flow - (noise - clean)) ** 2).mean(dim=(1, 3, 4))  # [batch, frames]
-    frame_weights = weights.repeat_interleave(sizes, dim=1)
-    return (per_frame * frame_weights).sum() / frame_weights.sum().clamp_min(1.0)
+    return weighted_mse(flow, noise - clean, weights)
 
 
 def bidirectional_loss(transformer, clean, noise, levels, text, weights) -> torch.Tensor:
     """Full-sequence flow matching at one noise level per sample, stock attention (no context). Switch crops are
     left out: their prompt names the colour of the later frames only."""
-    keep = weights.min(dim=1).values > 0
+    keep = weights.amin(dim=(2, 3)).min(dim=1).values > 0
     if not keep.any():
         keep[:] = True
     clean, noise, text, sigma = clean[keep], noise[keep], text[keep], levels[keep, :1]
     noisy = (1 - sigma.view(-1, 1, 1, 1, 1)) * clean + sigma.view(-1, 1, 1, 1, 1) * noise
     flow = transformer(hidden_states=noisy, timestep=sigma[:, 0] * 1000, encoder_hidden_states=text,
                        return_dict=False)[0]
-    return F.mse_loss(flow, noise - clean)
+    return weighted_mse(flow, noise - clean, weights[keep])
 
 
-def train_transformer(transformer, latents, clips, embeds, args, rng, log) -> dict[str, list[float]]:
+def train_transformer(transformer, latents, maps, clips, embeds, args, rng, log) -> dict[str, list[float]]:
     transformer.set_attn_processor(CausalWanAttnProcessor())
     transformer.train()
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed + 1)
     losses = {"teacher_forcing": [], "bidirectional": []}
-    fixed = training_batch(latents, clips, embeds, args, rng, generator) if args.fixed_batch else None
+    fixed = training_batch(latents, maps, clips, embeds, args, rng, generator) if args.fixed_batch else None
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(args.lr, step, args.steps, args.warmup, floor=0.05)
-        batch = fixed or training_batch(latents, clips, embeds, args, rng, generator)
+        batch = fixed or training_batch(latents, maps, clips, embeds, args, rng, generator)
         bidirectional = not args.fixed_batch and rng.random() < args.bidirectional_fraction
         if bidirectional:
             loss = bidirectional_loss(transformer, *batch)
@@ -266,6 +321,55 @@ def train_transformer(transformer, latents, clips, embeds, args, rng, log) -> di
             log(f"transformer step {step + 1:5d}/{args.steps}: "
                 f"{'bidirectional' if bidirectional else 'teacher forcing'} loss {loss.item():.4f} "
                 f"(teacher forcing, smoothed over 100: {smoothed(tf, 100)[-1] if tf else float('nan'):.4f})")
+    transformer.eval()
+    return losses
+
+
+def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, generator) -> torch.Tensor:
+    """The model continues a real clip's first chunk on its own: ``self_forcing_rollout`` commits the clip's first
+    chunk clean, then generates the rest chunk by chunk with the shipped sampling (few steps, guidance against the
+    empty prompt, each chunk exiting at a random step with gradients), each chunk attending to the model's own
+    earlier chunks; the loss regresses them on the clip's own continuation (sprite-weighted). Given a first chunk a
+    sprite's path is fixed (constant velocity, bounces), so the continuation is the one right answer, and errors
+    the model makes on its own context (slowing down, fading) are what it is corrected for."""
+    chunk = args.chunk_frames
+    index = rng.integers(0, len(clips), size=args.self_forcing_batch)
+    offsets = [0 if args.start_fraction and rng.random() < args.start_fraction else int(rng.integers(0, args.clip_frames - args.train_frames + 1))
+               for _ in index]
+    clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
+    weights = torch.stack([1 + args.sprite_weight * maps[i, o + chunk:o + args.train_frames]
+                           for i, o in zip(index, offsets)])
+    text = torch.cat([embeds[clips[i].prompts[o]] for i, o in zip(index, offsets)])
+    negative = embeds[""].expand_as(text)
+    noise = torch.randn(clean[:, :, chunk:].shape, generator=generator)
+    out = self_forcing_rollout(transformer, noise, text, context_latents=clean[:, :, :chunk], chunk_frames=chunk,
+                               timesteps=SAMPLING.timesteps, shift=SAMPLING.shift, context_noise_mode="label",
+                               negative_prompt_embeds=negative, guidance_scale=SAMPLING.guidance_scale,
+                               cache_engines={"main": VanillaKVCacheEngine()}, generator=generator)
+    return weighted_mse(out.latents, clean[:, :, chunk:], weights)
+
+
+def train_self_forcing(transformer, latents, maps, clips, embeds, args, rng, log) -> list[float]:
+    """The self-forcing stage: each step one self-forcing loss plus one teacher-forcing loss (which keeps the
+    first chunk's prompt following and the prompt switches the rollout does not see)."""
+    transformer.train()
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.self_forcing_lr, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(args.seed + 2)
+    losses = []
+    for step in range(args.self_forcing_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(args.self_forcing_lr, step, args.self_forcing_steps, 20, floor=0.1)
+        rollout = self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, generator)
+        teacher = teacher_forcing_loss(transformer, *training_batch(latents, maps, clips, embeds, args, rng,
+                                                                    generator), args.chunk_frames)
+        optimizer.zero_grad()
+        (rollout + teacher).backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        losses.append(rollout.item())
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.self_forcing_steps:
+            log(f"self-forcing step {step + 1:5d}/{args.self_forcing_steps}: rollout loss {rollout.item():.4f} "
+                f"(smoothed over 100: {smoothed(losses, 100)[-1]:.4f}), teacher forcing {teacher.item():.4f}")
     transformer.eval()
     return losses
 
@@ -316,8 +420,15 @@ def main(argv=None) -> dict:
     latents = (raw - mean) / std
     log(f"encoded {len(clips)} clips of {args.clip_frames} frames -> latents {tuple(latents.shape[1:])}")
 
-    text_encoder, tokenizer = tiny_text_encoder(seed=0).requires_grad_(False), tiny_tokenizer()
-    transformer = build_transformer(args.seed)
+    if args.text == "words":
+        text_encoder, tokenizer = sprite_text_encoder(seed=0), sprite_tokenizer()
+    else:
+        text_encoder, tokenizer = tiny_text_encoder(seed=0).requires_grad_(False), tiny_tokenizer()
+    if args.transformer_from is None:
+        transformer = build_transformer(args.seed)
+    else:
+        transformer = WanTransformer3DModel.from_pretrained(args.transformer_from)
+        log(f"transformer loaded from {args.transformer_from}")
     pipe = CausalWanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                              scheduler=FlowMatchEulerDiscreteScheduler(shift=SAMPLING.shift),
                              causal_config=SAMPLING.replace(chunk_frames=args.chunk_frames))
@@ -325,8 +436,10 @@ def main(argv=None) -> dict:
         embeds = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0] for p in task.PROMPTS + [""]}
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M parameters")
     transformer_began = time.perf_counter()
-    losses = train_transformer(transformer, latents, clips, embeds, args, rng, log)
+    losses = train_transformer(transformer, latents, sprite_maps(clips), clips, embeds, args, rng, log)
     transformer_seconds = time.perf_counter() - transformer_began
+    losses["self_forcing"] = train_self_forcing(transformer, latents, sprite_maps(clips), clips, embeds, args, rng,
+                                                log)
 
     tf = losses["teacher_forcing"]
     summary = {

@@ -34,10 +34,10 @@ PROMPTS = ["red ball moving right", "blue square moving down"]
 # still passed (speed 0.55 against 0.69); over 8 the sprite it makes slows to 0.40 px/frame. This holds for seeds 0
 # and 1; with seed 2 both speeds are 0.85, so the check relies on the fixed seed below.
 CHUNKS = 8
-MIN_PRESENT = 0.6  # fraction of frames, worst prompt; measured 0.75
-MIN_SPEED = 0.55  # px/frame, slowest prompt; measured 0.71 (seed 1: 0.77); unoffset RoPE 0.40 (seed 1: 0.37)
-MAX_PHYSICS_PX = 1.25  # mean, worst prompt; measured 0.80 (seed 1: 1.01)
-MAX_JUMP_PX = 3.0  # worst frame; measured 1.38 (seed 1: 2.04); unoffset RoPE 3.22
+MIN_PRESENT = 0.85  # fraction of frames, worst prompt; measured 0.96 (seed 1: 0.92); unoffset RoPE 0.83 (0.79)
+MIN_SPEED = 0.55  # px/frame, slowest prompt; measured 0.70 (seed 1: 0.75); unoffset RoPE 0.46 (seed 1: 0.45)
+MAX_PHYSICS_PX = 1.25  # mean, worst prompt; measured 0.92 (seed 1: 0.66); unoffset RoPE 1.29 (seed 1: 1.04)
+MAX_JUMP_PX = 3.0  # worst frame; measured 1.92 (seed 1: 1.73); unoffset RoPE 2.51 (seed 1: 2.43)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +128,8 @@ def test_a_causal_rollout_of_the_committed_model_keeps_the_sprite_moving_by_the_
 
 
 @pytest.mark.parametrize("broken", [
-    rollout_without_prefix,  # measured: present 0.33, physics 3.49 px, jump 7.45 px
-    # Every chunk at the positions 0..2: the model keeps the sprite but slows it down (speed 0.40, jump 3.22 px).
+    rollout_without_prefix,  # measured: present 0.29, physics 2.71 px, jump 6.87 px
+    # Every chunk at the positions 0..2: the model slows the sprite down and loses it (speed 0.46, present 0.83).
     rollout_without_rope_offset,
 ])
 def test_the_physics_check_fails_a_broken_cache(pipe, broken):
@@ -138,15 +138,38 @@ def test_the_physics_check_fails_a_broken_cache(pipe, broken):
     assert not follows_physics(m), m
 
 
+# Prompt following (benchmarks/quality.py's prompt_following: 8 prompts through the pipeline call, judged by
+# examples/sprites/judge.py), seed 0. Measured on the committed model, seeds 0 / 1 / 2: sprite 0.96 / 0.92 / 0.91,
+# colour 0.92 / 0.85 / 0.83, switch to green seen 1 / 1 / 1 chunks after it. The model before it: 0.78 / 0.82 /
+# 0.81, colour 0.67 / 0.72 / 0.70. Shape, direction and speed do not yet meet issue #28's targets and are not held.
+MIN_FOLLOW_PRESENT = 0.9
+MIN_FOLLOW_COLOUR = 0.8
+MAX_SWITCH_CHUNKS = 2
+
+
+def test_the_committed_model_makes_the_prompts_colour_and_takes_a_switched_one():
+    pipe = CausalWanPipeline.from_pretrained(MODEL)  # as loaded: its own engines (the fixture's rollouts set others)
+    spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    pipe.set_progress_bar_config(disable=True)
+    r = quality.prompt_following(pipe, seed=0)
+    assert r["present"] >= MIN_FOLLOW_PRESENT and r["colour"] >= MIN_FOLLOW_COLOUR, r
+    assert r["switch_chunks"] is not None and r["switch_chunks"] <= MAX_SWITCH_CHUNKS, r
+
+
 def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_path):
     spec = importlib.util.spec_from_file_location("train_tiny_causal", ROOT / "examples" / "train_tiny_causal.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     result = module.main(["--vae-steps", "2", "--vae-batch", "2", "--steps", "6", "--warmup", "1", "--batch", "2",
                           "--clips", "4", "--clip-frames", "13", "--train-frames", "6", "--fixed-batch",
-                          "--output", str(tmp_path / "pipe")])
+                          "--self-forcing-steps", "1", "--self-forcing-batch", "2", "--output", str(tmp_path / "pipe")])
     losses = result["losses"]["teacher_forcing"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     assert losses[-1] < losses[0]  # one fixed batch (data and noise): the optimizer lowers its loss
     loaded = CausalWanPipeline.from_pretrained(tmp_path / "pipe")
     assert loaded.causal_config.chunk_frames == 3 and loaded.vae.config.z_dim == 16
+    sf = result["losses"]["self_forcing"]
+    assert len(sf) == 1 and np.isfinite(sf[0])
+    assert len(loaded.tokenizer("red ball moving right").input_ids) == 5  # one token per word, then </s>
