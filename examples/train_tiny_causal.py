@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vae-from", default=None,
                         help="a trained VAE folder (e.g. a previous run's OUTPUT/vae) instead of training one")
     parser.add_argument("--transformer-from", default=None,
-                        help="a trained transformer folder (e.g. OUTPUT/transformer) to start from instead of a new one")
+                        help="a trained transformer folder (e.g. OUTPUT/transformer) to start from, not a new one")
     parser.add_argument("--switch-fraction", type=float, default=0.2)
     parser.add_argument("--sprite-weight", type=float, default=10.0,
                         help="extra loss weight of the latent pixels the sprite covers (and their neighbours)")
@@ -334,7 +334,8 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     the model makes on its own context (slowing down, fading) are what it is corrected for."""
     chunk = args.chunk_frames
     index = rng.integers(0, len(clips), size=args.self_forcing_batch)
-    offsets = [0 if args.start_fraction and rng.random() < args.start_fraction else int(rng.integers(0, args.clip_frames - args.train_frames + 1))
+    last = args.clip_frames - args.train_frames
+    offsets = [0 if args.start_fraction and rng.random() < args.start_fraction else int(rng.integers(0, last + 1))
                for _ in index]
     clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
     weights = torch.stack([1 + args.sprite_weight * maps[i, o + chunk:o + args.train_frames]
