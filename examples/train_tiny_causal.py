@@ -5,7 +5,7 @@
 Three stages, all seeded (``--seed``):
 
 1. **VAE.** A tiny stock ``AutoencoderKLWan`` (4x spatial, no temporal compression, 16 latent channels) learns to
-   reconstruct 5-frame sprite clips (``examples/sprites/task.py``): weighted L1 + MSE with the sprite pixels weighted
+   reconstruct 9-frame sprite clips (``examples/sprites/task.py``): weighted L1 + MSE with the sprite pixels weighted
    up, plus a small KL term. Its ``latents_mean``/``latents_std`` are then set to the statistics of the encoded
    training clips, so the pipeline's un-normalisation gives the transformer unit-scale latents.
 2. **Transformer.** A tiny stock ``WanTransformer3DModel`` trained with flow matching on the VAE latents of
@@ -61,7 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sprites import task  # noqa: E402
 from sprites.text import sprite_text_encoder, sprite_tokenizer  # noqa: E402
 
-VAE_CLIP_FRAMES = 5  # the Wan VAE encodes the first frame, then groups of 4: 5 frames exercise its causal cache
+# The Wan VAE codes the first frame alone, then groups of 4 frames, each group's causal convolutions reading the
+# frames before it: 9 frames train a group that follows a group, as every later group of a long video does (with 5,
+# frames 5 and later were out of distribution: red sprites decoded blue there).
+VAE_CLIP_FRAMES = 9
 # Sampling settings saved with the model: a rolling window of 9 frames with re-indexed positions, so a chunk of any
 # long rollout sees the positions of the last chunk of a 12-frame training crop (``--train-frames``).
 SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1.0, guidance_scale=3.0, num_frames=24,
@@ -71,7 +74,7 @@ SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6000, help="transformer training steps")
-    parser.add_argument("--vae-steps", type=int, default=1000, help="VAE training steps")
+    parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps")
     parser.add_argument("--clips", type=int, default=400, help="training clips encoded for the transformer")
     parser.add_argument("--clip-frames", type=int, default=25, help="frames per encoded clip (4k+1)")
     parser.add_argument("--train-frames", type=int, default=12, help="latent frames per training sample")
@@ -125,6 +128,15 @@ def build_transformer(seed: int) -> WanTransformer3DModel:
         text_dim=32, freq_dim=64, ffn_dim=256, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
+
+
+STAGES = ("vae", "data", "teacher", "self_forcing")
+
+
+def stage_rng(seed: int, stage: str) -> np.random.Generator:
+    """Each stage draws from its own generator, so a run that loads a stage's result (``--vae-from``,
+    ``--transformer-from``) makes the same data and batches as the run that trained it."""
+    return np.random.default_rng([seed, STAGES.index(stage)])
 
 
 def learning_rate(peak: float, step: int, steps: int, warmup: int, floor: float) -> float:
@@ -405,17 +417,16 @@ def main(argv=None) -> dict:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - began:7.1f} s] {message}", flush=True)
 
-    rng = np.random.default_rng(args.seed)
     if args.vae_from is None:
         vae = build_vae(args.seed)
-        vae_losses = train_vae(vae, args, rng, log)
+        vae_losses = train_vae(vae, args, stage_rng(args.seed, "vae"), log)
     else:
         vae, vae_losses = AutoencoderKLWan.from_pretrained(args.vae_from), []
         log(f"VAE loaded from {args.vae_from}")
     vae.eval()
     vae_seconds = time.perf_counter() - began
 
-    clips = make_dataset(args, rng)
+    clips = make_dataset(args, stage_rng(args.seed, "data"))
     raw = encode_clips(vae, clips)
     mean, std = set_latent_statistics(vae, raw)
     latents = (raw - mean) / std
@@ -437,13 +448,17 @@ def main(argv=None) -> dict:
         embeds = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0] for p in task.PROMPTS + [""]}
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M parameters")
     transformer_began = time.perf_counter()
-    losses = train_transformer(transformer, latents, sprite_maps(clips), clips, embeds, args, rng, log)
+    maps = sprite_maps(clips)
+    losses = train_transformer(transformer, latents, maps, clips, embeds, args, stage_rng(args.seed, "teacher"), log)
     transformer_seconds = time.perf_counter() - transformer_began
-    losses["self_forcing"] = train_self_forcing(transformer, latents, sprite_maps(clips), clips, embeds, args, rng,
-                                                log)
+    self_forcing_began = time.perf_counter()
+    losses["self_forcing"] = train_self_forcing(transformer, latents, maps, clips, embeds, args,
+                                                stage_rng(args.seed, "self_forcing"), log)
 
-    tf = losses["teacher_forcing"]
+    self_forcing_seconds = time.perf_counter() - self_forcing_began
+    tf, sf = losses["teacher_forcing"], losses["self_forcing"]
     summary = {
+        "command": "python examples/train_tiny_causal.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "vae_steps": 0 if args.vae_from else args.vae_steps, "vae_from": args.vae_from, "steps": args.steps,
         "seed": args.seed,
         "vae_seconds": round(vae_seconds, 1), "transformer_seconds": round(transformer_seconds, 1),
@@ -453,6 +468,9 @@ def main(argv=None) -> dict:
         "teacher_forcing_loss_last100": float(np.mean(tf[-100:])) if tf else None,
         "bidirectional_loss_last100": (float(np.mean(losses["bidirectional"][-100:]))
                                        if losses["bidirectional"] else None),
+        "self_forcing_steps": args.self_forcing_steps, "self_forcing_seconds": round(self_forcing_seconds, 1),
+        "self_forcing_loss_first100": float(np.mean(sf[:100])) if sf else None,
+        "self_forcing_loss_last100": float(np.mean(sf[-100:])) if sf else None,
     }
     if args.output is not None:
         pipe.save_pretrained(args.output, safe_serialization=True)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from helpers import free_port, loopback_only
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # sprites: the sprite model's judge
 SIZE = ["--height", "32", "--width", "32", "--chunk-frames", "1", "--fps", "0"]
 SEED = 0
 OLD, NEW = "a red ball", "a blue cube on a table"
@@ -276,3 +278,73 @@ def test_the_page_streams_frames_until_stop_in_chromium_and_requests_nothing_out
                if not re.match(r"(https?://(127\.0\.0\.1|localhost)(:\d+)?/|data:|blob:)", url)]
     assert outside == []
 
+
+
+@pytest.fixture(scope="module")
+def sprite_page(stream_app):
+    """The app as ``python examples/stream_app.py --fps 4`` starts it: the shipped sprite model at its 32x32, each
+    frame on screen for a quarter of a second (long enough for the test to see every one)."""
+    port = free_port()
+    app = stream_app.main(["--fps", "4", "--port", str(port)], prevent_thread_lock=True)
+    yield f"http://127.0.0.1:{port}/"
+    app.close()
+
+
+def _png(url: str) -> np.ndarray:
+    """A frame the page shows, fetched from its server (on 127.0.0.1) as the browser did."""
+    import io
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return np.asarray(PIL.Image.open(io.BytesIO(response.read())).convert("RGB"), dtype=np.float32) / 255
+
+
+@pytest.mark.slow
+def test_a_switch_on_the_page_shows_the_new_colour_in_chromium(sprite_page):
+    """The issue's newcomer path: Start with the default "red ball moving right", switch to "blue square moving down"
+    on the page, and the frames on screen turn from a red sprite to a blue one within two chunks of the switch
+    (judged by ``examples/sprites/judge.py`` on the very images the browser displayed)."""
+    from selenium.webdriver.common.by import By
+    from sprites import judge
+
+    new = "blue square moving down"
+    browser = _browser_or_skip()
+    shown: dict[int, tuple[int, np.ndarray]] = {}  # video frame -> (chunk, the image displayed for it)
+    prompts: dict[int, str] = {}  # chunk -> the prompt the status says it was made with
+    try:
+        browser.get(sprite_page)
+        button = lambda name: browser.find_element(By.XPATH, f"//button[normalize-space()='{name}']")  # noqa: E731
+        _wait(lambda: browser.find_elements(By.XPATH, "//button[normalize-space()='Start']"), what="the page")
+        button("Start").click()
+        switched = False
+        deadline = time.monotonic() + 120
+
+        def new_chunks_shown() -> bool:  # two chunks made with the new prompt, and all their frames seen
+            made = [chunk for chunk, prompt in prompts.items() if prompt == new]
+            return len(made) >= 2 and sum(chunk in made[:2] for chunk, _ in shown.values()) >= 6
+
+        while not new_chunks_shown():
+            assert time.monotonic() < deadline, f"timed out: chunk prompts {prompts}, frames {sorted(shown)}"
+            # the image and the status in one script: both belong to the same update of the page
+            src, status = browser.execute_script(
+                "const img = document.querySelector('#frame img');"
+                "return [img && img.complete ? img.src : null, document.querySelector('#status textarea').value];")
+            prompts.update({int(index): prompt for index, _, _, prompt in CHUNK_LINE.findall(status)})
+            headline = FRAME_HEADLINE.match(status)
+            if src and headline and int(headline.group(1)) not in shown and "/gradio_api/file=" in src:
+                shown[int(headline.group(1))] = (int(headline.group(2)), _png(src))
+            if not switched and any(chunk >= 1 for chunk, _ in shown.values()):
+                browser.find_element(By.CSS_SELECTOR, "#switch textarea").send_keys(new)
+                button("Switch prompt").click()
+                switched = True
+            time.sleep(0.03)
+        button("Stop").click()
+    finally:
+        browser.quit()
+    first_new = min(chunk for chunk, prompt in prompts.items() if prompt == new)
+    assert first_new >= 1 and all(prompts[chunk] == "red ball moving right" for chunk in range(first_new))
+    colours = {number: judge.frame_colours(image[None])[0][0] for number, (_, image) in shown.items()}
+    before = [colours[n] for n, (chunk, _) in shown.items() if chunk == first_new - 1]
+    after = [colours[n] for n, (chunk, _) in shown.items() if first_new <= chunk < first_new + 2]
+    assert "red" in before and "blue" not in before, colours  # the page showed the red ball before the switch
+    assert "blue" in after, colours  # and a blue sprite within two chunks of it
