@@ -173,3 +173,10 @@ def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_p
     sf = result["losses"]["self_forcing"]
     assert len(sf) == 1 and np.isfinite(sf[0])
     assert len(loaded.tokenizer("red ball moving right").input_ids) == 5  # one token per word, then </s>
+    # A run that loads the VAE it trained draws the same data, batches and noise: the same transformer, bit for bit
+    again = module.main(["--vae-from", str(tmp_path / "pipe" / "vae"), "--steps", "6", "--warmup", "1", "--batch",
+                         "2", "--clips", "4", "--clip-frames", "13", "--train-frames", "6", "--fixed-batch",
+                         "--self-forcing-steps", "1", "--self-forcing-batch", "2"])
+    for (name, ours), theirs in zip(result["pipeline"].transformer.state_dict().items(),
+                                    again["pipeline"].transformer.state_dict().values()):
+        assert torch.equal(ours, theirs), name
