@@ -22,10 +22,10 @@ times: the sprite is ~5% of a frame, and its colour, shape and motion are what t
 the only one whose colour, shape and direction no context gives, weighs ``--first-chunk-weight`` times the others.
 
 3. **Self-forcing** (``--self-forcing-steps``). The model continues a real clip's first chunk on its own with
-   ``self_forcing_rollout(context_latents=...)`` (the shipped few-step sampling with guidance, as at inference), then
-   learns the clip's real chunks with its own chunks as their context (the teacher-forcing loss, context swapped):
-   the drift of its own rollouts (slower, fainter, off the path) is what it is corrected for. Each step adds one plain
-   teacher-forcing loss, which keeps the first chunk and the prompt switches the rollout does not see.
+   ``self_forcing_rollout(context_latents=...)`` (the shipped timesteps and guidance, no gradients), then learns the
+   clip's real chunks with its own chunks as their context (the teacher-forcing loss, context swapped): the drift of
+   its own rollouts (slower, fainter, off the path) is what it is corrected for. Only clips with one prompt are
+   rolled out; each step adds one plain teacher-forcing loss, which keeps training the first chunk and the switches.
 
 The prompts are encoded by the pipeline's own text path: the word-level tokenizer and tiny random UMT5 encoder of
 ``examples/sprites/text.py`` (``--text words``, one token per task word; ``--text chars`` for the package's
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -135,8 +136,8 @@ STAGES = ("vae", "data", "teacher", "self_forcing")
 
 
 def stage_rng(seed: int, stage: str) -> np.random.Generator:
-    """Each stage draws from its own generator, so a run that loads a stage's result (``--vae-from``,
-    ``--transformer-from``) makes the same data and batches as the run that trained it."""
+    """Each stage draws from its own generator, so a run that loads the VAE a run trained (``--vae-from``) draws the
+    same clips, batches and noise as that run: the transformer it trains is the same."""
     return np.random.default_rng([seed, STAGES.index(stage)])
 
 
@@ -343,8 +344,9 @@ def train_transformer(transformer, latents, maps, clips, embeds, args, rng, log)
 
 def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, generator) -> torch.Tensor:
     """The teacher-forcing loss of a real clip's frames, with the model's own chunks as their context: the model first
-    continues the clip's first chunk on its own (``self_forcing_rollout`` with the shipped sampling: few steps,
-    guidance against the empty prompt; without gradients, as at inference), then learns each real chunk from the
+    continues the clip's first chunk on its own (``self_forcing_rollout`` with the shipped timesteps and guidance
+    against the empty prompt, without gradients; no window: a crop fits the training positions), then learns each
+    real chunk from the
     chunks it made itself before it. Its own context drifts from the real one (slower, fainter, a little off), and
     this is what corrects that drift back onto the real path: exposure bias. A sprite's path is fixed by its first
     chunk (constant velocity, bounces), so the real continuation is the right target for the rollout's context.
@@ -352,32 +354,34 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     Why not regress the rollout's output on the clip directly (the gradient through the exit step, as Self-Forcing
     does with a distribution-matching loss): measured on this model, 600 such MSE steps faded the sprite (present in
     0.26 of the frames, from 0.89), the mean of the positions the model is unsure of."""
-    chunk = args.chunk_frames
-    index = rng.integers(0, len(clips), size=args.self_forcing_batch)
+    chunk, sizes = args.chunk_frames, chunk_schedule(args.train_frames, args.chunk_frames)
+    steady = [i for i, clip in enumerate(clips) if len(set(clip.prompts)) == 1]  # one prompt: the rollout's own
+    if not steady:
+        raise ValueError("the self-forcing stage needs clips whose colour does not switch: lower --switch-fraction")
+    index = [steady[k] for k in rng.integers(0, len(steady), size=args.self_forcing_batch)]
     last = args.clip_frames - args.train_frames
     offsets = [0 if args.start_fraction and rng.random() < args.start_fraction else int(rng.integers(0, last + 1))
                for _ in index]
     clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
     text = torch.cat([embeds[clips[i].prompts[o]] for i, o in zip(index, offsets)])
     with torch.no_grad():
-        own = self_forcing_rollout(transformer, torch.randn(clean[:, :, chunk:].shape, generator=generator), text,
-                                   context_latents=clean[:, :, :chunk], chunk_frames=chunk,
+        own = self_forcing_rollout(transformer, torch.randn(clean[:, :, sizes[0]:].shape, generator=generator), text,
+                                   context_latents=clean[:, :, :sizes[0]], chunk_frames=chunk,
                                    timesteps=SAMPLING.timesteps, shift=SAMPLING.shift,
                                    exit_step=len(SAMPLING.timesteps) - 1, negative_prompt_embeds=embeds[""].expand_as(
                                        text), guidance_scale=SAMPLING.guidance_scale,
                                    cache_engines={"main": VanillaKVCacheEngine()}, generator=generator).latents
-    sizes = chunk_schedule(args.train_frames, chunk)
     weights = torch.stack([1 + args.sprite_weight * maps[i, o:o + args.train_frames] for i, o in zip(index, offsets)])
     weights[:, :sizes[0]] = 0  # the first chunk has no context of the model's own: the teacher-forcing term trains it
     noise = torch.randn(clean.shape, generator=generator)
     levels = torch.rand(len(index), len(sizes), generator=generator)
     return teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk,
-                                context=torch.cat([clean[:, :, :chunk], own], dim=2))
+                                context=torch.cat([clean[:, :, :sizes[0]], own], dim=2))
 
 
 def train_self_forcing(transformer, latents, maps, clips, embeds, args, rng, log) -> list[float]:
-    """The self-forcing stage: each step one self-forcing loss plus one teacher-forcing loss (which keeps the
-    first chunk's prompt following and the prompt switches the rollout does not see)."""
+    """The self-forcing stage: each step one self-forcing loss (clips with one prompt) plus one teacher-forcing loss
+    (which keeps training the first chunk, which has no context of the model's own, and the prompt switches)."""
     transformer.train()
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.self_forcing_lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed + 2)
@@ -471,7 +475,7 @@ def main(argv=None) -> dict:
     self_forcing_seconds = time.perf_counter() - self_forcing_began
     tf, sf = losses["teacher_forcing"], losses["self_forcing"]
     summary = {
-        "command": "python examples/train_tiny_causal.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python examples/train_tiny_causal.py " + shlex.join(sys.argv[1:] if argv is None else argv),
         "vae_steps": 0 if args.vae_from else args.vae_steps, "vae_from": args.vae_from, "steps": args.steps,
         "seed": args.seed,
         "vae_seconds": round(vae_seconds, 1), "transformer_seconds": round(transformer_seconds, 1),

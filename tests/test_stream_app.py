@@ -311,19 +311,19 @@ def test_a_switch_on_the_page_shows_the_new_colour_in_chromium(sprite_page):
     browser = _browser_or_skip()
     shown: dict[int, tuple[int, np.ndarray]] = {}  # video frame -> (chunk, the image displayed for it)
     prompts: dict[int, str] = {}  # chunk -> the prompt the status says it was made with
+    button = lambda name: browser.find_element(By.XPATH, f"//button[normalize-space()='{name}']")  # noqa: E731
     try:
         browser.get(sprite_page)
-        button = lambda name: browser.find_element(By.XPATH, f"//button[normalize-space()='{name}']")  # noqa: E731
         _wait(lambda: browser.find_elements(By.XPATH, "//button[normalize-space()='Start']"), what="the page")
         button("Start").click()
         switched = False
         deadline = time.monotonic() + 120
 
-        def new_chunks_shown() -> bool:  # two chunks made with the new prompt, and all their frames seen
-            made = [chunk for chunk, prompt in prompts.items() if prompt == new]
-            return len(made) >= 2 and sum(chunk in made[:2] for chunk, _ in shown.values()) >= 6
+        def past_two_new_chunks() -> bool:  # a frame of the third chunk made with the new prompt is on screen
+            made = sorted(chunk for chunk, prompt in prompts.items() if prompt == new)
+            return len(made) >= 1 and any(chunk >= made[0] + 2 for chunk, _ in shown.values())
 
-        while not new_chunks_shown():
+        while not past_two_new_chunks():
             assert time.monotonic() < deadline, f"timed out: chunk prompts {prompts}, frames {sorted(shown)}"
             # the image and the status in one script: both belong to the same update of the page
             src, status = browser.execute_script(
@@ -338,13 +338,16 @@ def test_a_switch_on_the_page_shows_the_new_colour_in_chromium(sprite_page):
                 button("Switch prompt").click()
                 switched = True
             time.sleep(0.03)
-        button("Stop").click()
     finally:
-        browser.quit()
+        try:
+            button("Stop").click()  # the server's stream ends with the test, passed or not
+        finally:
+            browser.quit()
     first_new = min(chunk for chunk, prompt in prompts.items() if prompt == new)
     assert first_new >= 1 and all(prompts[chunk] == "red ball moving right" for chunk in range(first_new))
     colours = {number: judge.frame_colours(image[None])[0][0] for number, (_, image) in shown.items()}
     before = [colours[n] for n, (chunk, _) in shown.items() if chunk == first_new - 1]
     after = [colours[n] for n, (chunk, _) in shown.items() if first_new <= chunk < first_new + 2]
+    assert before and after, sorted(shown)  # frames of both were seen (at 4 fps, most of them)
     assert "red" in before and "blue" not in before, colours  # the page showed the red ball before the switch
     assert "blue" in after, colours  # and a blue sprite within two chunks of it
