@@ -346,10 +346,10 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     """The teacher-forcing loss of a real clip's frames, with the model's own chunks as their context: the model first
     continues the clip's first chunk on its own (``self_forcing_rollout`` with the shipped timesteps and guidance
     against the empty prompt, without gradients; no window: a crop fits the training positions), then learns each
-    real chunk from the
-    chunks it made itself before it. Its own context drifts from the real one (slower, fainter, a little off), and
-    this is what corrects that drift back onto the real path: exposure bias. A sprite's path is fixed by its first
-    chunk (constant velocity, bounces), so the real continuation is the right target for the rollout's context.
+    real chunk from the chunks it made itself before it. Its own context drifts from the real one (slower, fainter,
+    a little off), and this is what corrects that drift back onto the real path: exposure bias. A sprite's path is
+    fixed by its first chunk (constant velocity, bounces), so the real continuation is the right target for the
+    rollout's context.
 
     Why not regress the rollout's output on the clip directly (the gradient through the exit step, as Self-Forcing
     does with a distribution-matching loss): measured on this model, 600 such MSE steps faded the sprite (present in
@@ -364,19 +364,20 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
                for _ in index]
     clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
     text = torch.cat([embeds[clips[i].prompts[o]] for i, o in zip(index, offsets)])
+    first = clean[:, :, :sizes[0]]
     with torch.no_grad():
         own = self_forcing_rollout(transformer, torch.randn(clean[:, :, sizes[0]:].shape, generator=generator), text,
-                                   context_latents=clean[:, :, :sizes[0]], chunk_frames=chunk,
-                                   timesteps=SAMPLING.timesteps, shift=SAMPLING.shift,
-                                   exit_step=len(SAMPLING.timesteps) - 1, negative_prompt_embeds=embeds[""].expand_as(
-                                       text), guidance_scale=SAMPLING.guidance_scale,
+                                   context_latents=first, chunk_frames=chunk, timesteps=SAMPLING.timesteps,
+                                   shift=SAMPLING.shift, exit_step=len(SAMPLING.timesteps) - 1,
+                                   negative_prompt_embeds=embeds[""].expand_as(text),
+                                   guidance_scale=SAMPLING.guidance_scale,
                                    cache_engines={"main": VanillaKVCacheEngine()}, generator=generator).latents
     weights = torch.stack([1 + args.sprite_weight * maps[i, o:o + args.train_frames] for i, o in zip(index, offsets)])
     weights[:, :sizes[0]] = 0  # the first chunk has no context of the model's own: the teacher-forcing term trains it
     noise = torch.randn(clean.shape, generator=generator)
     levels = torch.rand(len(index), len(sizes), generator=generator)
     return teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk,
-                                context=torch.cat([clean[:, :, :sizes[0]], own], dim=2))
+                                context=torch.cat([first, own], dim=2))
 
 
 def train_self_forcing(transformer, latents, maps, clips, embeds, args, rng, log) -> list[float]:
@@ -471,7 +472,6 @@ def main(argv=None) -> dict:
     self_forcing_began = time.perf_counter()
     losses["self_forcing"] = train_self_forcing(transformer, latents, maps, clips, embeds, args,
                                                 stage_rng(args.seed, "self_forcing"), log)
-
     self_forcing_seconds = time.perf_counter() - self_forcing_began
     tf, sf = losses["teacher_forcing"], losses["self_forcing"]
     summary = {
