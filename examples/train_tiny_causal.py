@@ -15,7 +15,8 @@ Three stages, all seeded (``--seed``):
    ``--bidirectional-fraction`` of the steps, plain full-sequence forwards at one noise level (the stock processors,
    no context: the bidirectional baseline of ``benchmarks/quality.py``). A fraction ``--switch-fraction`` of the
    clips change colour at a chunk boundary, with the prompt naming the new colour and no loss on the chunks before
-   the switch: what a prompt switch with a re-cache shows the model.
+   the switch: what a prompt switch with a re-cache shows the model. A crop's prompt names the way its sprite moves
+at the crop's start (``Clip.moving_prompt``): after a bounce the clip's own prompt names the opposite one.
 
 The flow-matching losses weight the latent pixels the sprite covers (and their neighbours) ``1 + --sprite-weight``
 times: the sprite is ~5% of a frame, and its colour, shape and motion are what the prompt says. A crop's first chunk,
@@ -264,7 +265,9 @@ def training_batch(latents, maps, clips, embeds, args, rng, generator):
     for i in index:
         offset, first = crop(clips[i], args, rng)
         clean.append(latents[i, :, offset:offset + args.train_frames])
-        prompt = clips[i].prompts[-1] if first else clips[i].prompts[offset]
+        # The prompt of the crop's first frame with a loss (a switch's new colour), naming the way the sprite moves
+        # there: the clip's own prompt names its initial direction, which is wrong after a bounce.
+        prompt = clips[i].moving_prompt(offset + sum(sizes[:first]))
         texts.append(embeds["" if rng.random() < args.text_dropout else prompt])
         per_chunk = torch.tensor([0.0 if k < first else args.first_chunk_weight if k == 0 else 1.0
                                   for k in range(len(sizes))]).repeat_interleave(torch.tensor(sizes))
@@ -363,7 +366,7 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     offsets = [0 if args.start_fraction and rng.random() < args.start_fraction else int(rng.integers(0, last + 1))
                for _ in index]
     clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
-    text = torch.cat([embeds[clips[i].prompts[o]] for i, o in zip(index, offsets)])
+    text = torch.cat([embeds[clips[i].moving_prompt(o)] for i, o in zip(index, offsets)])
     first = clean[:, :, :sizes[0]]
     with torch.no_grad():
         own = self_forcing_rollout(transformer, torch.randn(clean[:, :, sizes[0]:].shape, generator=generator), text,

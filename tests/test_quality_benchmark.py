@@ -86,3 +86,20 @@ def test_plot_without_matplotlib_fails_before_the_run(quality, monkeypatch, caps
     monkeypatch.setattr(quality, "Bench", no_run)
     with pytest.raises(SystemExit, match="--plot needs matplotlib"):
         quality.main(["--plot", "quality.png"])
+
+def test_a_crop_s_moving_prompt_names_the_way_its_sprite_moves_after_a_bounce():
+    """The training script's crop prompts (``Clip.moving_prompt``): a clip's own prompt names its initial direction,
+    wrong for ~40% of mid-clip crops (every 25-frame clip bounces off the wall ahead); the moving prompt is right for
+    every crop, as the judge scores a video's first chunk."""
+    sys.path.insert(0, str(SCRIPT.parents[1] / "examples"))
+    import numpy as np
+    from sprites import judge, task
+
+    rng = np.random.default_rng(1)
+    clips = [task.sample_clip(25, rng, switch_at=12 if i % 4 == 0 else None) for i in range(64)]
+    crops = [(c, o) for c in clips for o in range(0, 14, 3)]
+    moving = judge.summary([judge.judge(c.frames[o:o + 6], c.moving_prompt(o), 3) for c, o in crops])
+    initial = judge.summary([judge.judge(c.frames[o:o + 6], c.prompts[o], 3) for c, o in crops])
+    assert moving["direction"] == len(crops)
+    assert initial["direction"] < 0.8 * len(crops)
+    assert all(c.moving_prompt(o).split()[:2] == c.prompts[o].split()[:2] for c, o in crops)  # colour, shape kept

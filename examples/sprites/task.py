@@ -102,6 +102,16 @@ class Clip:
     prompts: list[str]
     velocity: np.ndarray
 
+    def moving_prompt(self, frame: int) -> str:
+        """Frame ``frame``'s prompt with the direction the sprite moves from there: a clip's prompts name its initial
+        direction, which a bounce off the wall ahead reverses (every clip longer than ~16 frames bounces), so a
+        crop that starts after one shows the opposite motion to the clip's prompt."""
+        sprite = Sprite.parse(self.prompts[frame])
+        sign = reflect(self.centres[0] + frame * self.velocity)[1]
+        heading = np.array(DIRECTIONS[sprite.direction]) * sign
+        direction = next(name for name, axis in DIRECTIONS.items() if np.array_equal(axis, heading))
+        return Sprite(sprite.colour, sprite.shape, direction).prompt
+
 
 def sample_velocity(direction: str, rng: np.random.Generator) -> np.ndarray:
     main = np.array(DIRECTIONS[direction]) * MAIN_SPEED
