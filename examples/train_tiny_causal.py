@@ -16,7 +16,7 @@ Three stages, all seeded (``--seed``):
    no context: the bidirectional baseline of ``benchmarks/quality.py``). A fraction ``--switch-fraction`` of the
    clips change colour at a chunk boundary, with the prompt naming the new colour and no loss on the chunks before
    the switch: what a prompt switch with a re-cache shows the model. A crop's prompt names the way its sprite moves
-at the crop's start (``Clip.moving_prompt``): after a bounce the clip's own prompt names the opposite one.
+   at the crop's start (``Clip.moving_prompt``): after a bounce the clip's own prompt names the opposite one.
 
 The flow-matching losses weight the latent pixels the sprite covers (and their neighbours) ``1 + --sprite-weight``
 times: the sprite is ~5% of a frame, and its colour, shape and motion are what the prompt says. A crop's first chunk,
