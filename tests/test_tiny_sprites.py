@@ -185,3 +185,22 @@ def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_p
     for (name, ours), theirs in zip(result["pipeline"].transformer.state_dict().items(),
                                     again["pipeline"].transformer.state_dict().values()):
         assert torch.equal(ours, theirs), name
+
+
+def test_the_training_batch_gives_first_chunk_frames_their_own_noise_levels_when_asked():
+    """``--frame-noise-fraction``: diffusion forcing inside a crop's first chunk (each frame its own level), the later
+    chunks one level per chunk; at 0, one level per chunk everywhere."""
+    spec = importlib.util.spec_from_file_location("train_tiny_causal", ROOT / "examples" / "train_tiny_causal.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rng = np.random.default_rng(0)
+    clips = [task.sample_clip(25, rng) for _ in range(4)]
+    latents, maps = torch.randn(4, 16, 25, 8, 8), torch.zeros(4, 25, 8, 8)
+    embeds = {p: torch.zeros(1, 6, 32) for p in [*task.PROMPTS, ""]}
+    for fraction in (0.0, 1.0):
+        args = module.parse_args(["--batch", "16", "--frame-noise-fraction", str(fraction)])
+        levels = module.training_batch(latents, maps, clips, embeds, args, rng, torch.Generator().manual_seed(0))[2]
+        chunks = levels.view(16, 4, 3)  # 12-frame crops, chunks of 3
+        assert (chunks[:, 1:] == chunks[:, 1:, :1]).all()  # later chunks: one level each
+        first_varies = (chunks[:, 0] != chunks[:, 0, :1]).any(dim=1)
+        assert first_varies.all() if fraction else not first_varies.any()
