@@ -151,7 +151,7 @@ MIN_FOLLOW_SPEED_RATIO = 0.5
 MAX_SWITCH_CHUNKS = 2
 
 
-def test_the_committed_model_makes_the_prompts_colour_and_takes_a_switched_one():
+def test_the_committed_model_makes_the_prompts_colour_and_shape_and_takes_a_switched_one():
     pipe = CausalWanPipeline.from_pretrained(MODEL)  # as loaded: its own engines (the fixture's rollouts set others)
     spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
     quality = importlib.util.module_from_spec(spec)
@@ -163,10 +163,15 @@ def test_the_committed_model_makes_the_prompts_colour_and_takes_a_switched_one()
     assert r["switch_chunks"] is not None and r["switch_chunks"] <= MAX_SWITCH_CHUNKS, r
 
 
-def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_path):
+def _training_script():
     spec = importlib.util.spec_from_file_location("train_tiny_causal", ROOT / "examples" / "train_tiny_causal.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_path):
+    module = _training_script()
     result = module.main(["--vae-steps", "2", "--vae-batch", "2", "--steps", "6", "--warmup", "1", "--batch", "2",
                           "--clips", "4", "--clip-frames", "13", "--train-frames", "6", "--fixed-batch",
                           "--self-forcing-steps", "1", "--self-forcing-batch", "2", "--output", str(tmp_path / "pipe")])
@@ -190,9 +195,7 @@ def test_the_training_script_trains_for_a_few_steps_and_the_loss_decreases(tmp_p
 def test_the_training_batch_gives_first_chunk_frames_their_own_noise_levels_when_asked():
     """``--frame-noise-fraction``: diffusion forcing inside a crop's first chunk (each frame its own level), the later
     chunks one level per chunk; at 0, one level per chunk everywhere."""
-    spec = importlib.util.spec_from_file_location("train_tiny_causal", ROOT / "examples" / "train_tiny_causal.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _training_script()
     rng = np.random.default_rng(0)
     clips = [task.sample_clip(25, rng) for _ in range(4)]
     latents, maps = torch.randn(4, 16, 25, 8, 8), torch.zeros(4, 25, 8, 8)
