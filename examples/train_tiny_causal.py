@@ -261,6 +261,11 @@ def crop(clip: task.Clip, args, rng: np.random.Generator) -> tuple[int, int]:
     return switch - k * chunk, k
 
 
+def chunk_levels(batch: int, sizes: list[int], generator: torch.Generator) -> torch.Tensor:
+    """``[batch, frames]`` noise levels in [0, 1): one per chunk of ``sizes`` frames, repeated over its frames."""
+    return torch.rand(batch, len(sizes), generator=generator).repeat_interleave(torch.tensor(sizes), dim=1)
+
+
 def training_batch(latents, maps, clips, embeds, args, rng, generator):
     """Normalised clean latents, noise, per-frame noise levels (one per chunk; independent per frame in the first
     chunk of a ``--frame-noise-fraction`` of the crops), prompt embeddings and per-latent-pixel loss weights
@@ -282,7 +287,7 @@ def training_batch(latents, maps, clips, embeds, args, rng, generator):
         weights.append(per_chunk.view(-1, 1, 1) * (1 + args.sprite_weight * sprite))
     clean = torch.stack(clean)
     noise = torch.randn(clean.shape, generator=generator)
-    levels = torch.rand(args.batch, len(sizes), generator=generator).repeat_interleave(torch.tensor(sizes), dim=1)
+    levels = chunk_levels(args.batch, sizes, generator)
     if args.frame_noise_fraction:
         # Diffusion forcing inside the first chunk: a frame noisier than its neighbours is placed from them and the
         # prompt, where one level for all three lets the model read the sprite off the noisy frames alone.
@@ -390,7 +395,7 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     weights = torch.stack([1 + args.sprite_weight * maps[i, o:o + args.train_frames] for i, o in zip(index, offsets)])
     weights[:, :sizes[0]] = 0  # the first chunk has no context of the model's own: the teacher-forcing term trains it
     noise = torch.randn(clean.shape, generator=generator)
-    levels = torch.rand(len(index), len(sizes), generator=generator).repeat_interleave(torch.tensor(sizes), dim=1)
+    levels = chunk_levels(len(index), sizes, generator)
     return teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk,
                                 context=torch.cat([first, own], dim=2))
 
