@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 HOST = "127.0.0.1"
 SHOWN_CHUNKS = 10  # chunk lines kept in the status box
+STOPPING = "stopping: the stream ends after the chunk in progress"
 CSS = "#frame img { width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated; }"  # scale frames up
 
 
@@ -182,8 +183,8 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
         session = sessions.get(request.session_hash)
         if session is None:
             return "nothing is streaming"
-        session.stream.close()
-        return session.status(f"stopped after {session.chunks} chunks")
+        session.stream.close()  # Start's loop sees it at its next frame and writes the status's last line
+        return STOPPING
 
     # analytics off here too; the frames shown are files in Gradio's cache: swept every minute
     with gr.Blocks(title="Causal Wan stream", analytics_enabled=False, delete_cache=(60, 60)) as app:
@@ -196,14 +197,16 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
                     stop_button = gr.Button("Stop", variant="stop")
                 switch_box = gr.Textbox("", label="new prompt (from the next chunk on)", elem_id="switch")
                 switch_button = gr.Button("Switch prompt")
-                switch_note = gr.Markdown("")
+                note = gr.Markdown("", elem_id="note")
             with gr.Column():
                 frame = gr.Image(label="latest frame", type="numpy", format="png", interactive=False, height=360,
                                  buttons=["download", "fullscreen"], elem_id="frame")  # no share (upload) button
                 status = gr.Textbox(label="status", lines=SHOWN_CHUNKS + 1, interactive=False, elem_id="status")
-        streaming = start_button.click(start, prompt_box, [frame, status], api_name="start", concurrency_limit=1)
-        switch_button.click(switch, switch_box, switch_note, api_name="switch")
-        stop_button.click(stop, None, status, api_name="stop", cancels=[streaming])
+        start_button.click(start, prompt_box, [frame, status], api_name="start", concurrency_limit=1)
+        switch_button.click(switch, switch_box, note, api_name="switch")
+        # Stop answers in the note, not the status: the status has one writer (Start's loop), so no update of the
+        # stream can land after its "stopped after" line. No cancel either: the loop ends at its next frame.
+        stop_button.click(stop, None, note, api_name="stop")
     return app
 
 

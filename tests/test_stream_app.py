@@ -177,7 +177,7 @@ def test_a_prompt_switch_applies_from_the_next_chunk_and_stop_ends_the_stream(st
         return NEW in prompts and prompts.index(NEW) + 1 < len(prompts)
 
     _wait(switched_and_one_more, what="two chunks under the new prompt")
-    assert client.predict(api_name="/stop").startswith("stopped after ")
+    assert client.predict(api_name="/stop") == stream_app.STOPPING
     _wait(job.done, seconds=30, what="the stream to end after Stop")
     assert job.outputs()[-1][1].startswith("stopped after ")
     assert client.predict(NEW, api_name="/switch") == "nothing is streaming: press Start"
@@ -205,7 +205,7 @@ def test_a_prompt_switch_applies_from_the_next_chunk_and_stop_ends_the_stream(st
     np.testing.assert_array_equal(np.stack([shown[i] for i in range(len(expected))]), expected)
 
 
-def test_an_empty_prompt_is_refused_on_the_page_and_changes_nothing(unbounded, tmp_path):
+def test_an_empty_prompt_is_refused_on_the_page_and_changes_nothing(stream_app, unbounded, tmp_path):
     url, pipe = unbounded
     client = _client(url, tmp_path)
     job = client.submit("  ", api_name="/start")
@@ -217,7 +217,7 @@ def test_an_empty_prompt_is_refused_on_the_page_and_changes_nothing(unbounded, t
     assert client.predict("", api_name="/switch") == "type the new prompt first: an empty prompt is not switched to"
     _wait(lambda: len(_chunk_prompts(job.outputs())) >= 3, what="three chunks")
     assert set(_chunk_prompts(job.outputs())) == {OLD}  # the empty switch was not applied
-    assert client.predict(api_name="/stop").startswith("stopped after ")
+    assert client.predict(api_name="/stop") == stream_app.STOPPING
     _wait(job.done, seconds=30, what="the stream to end after Stop")
 
 
@@ -244,7 +244,8 @@ def _browser_or_skip():
 
 
 @pytest.mark.slow
-def test_the_page_streams_frames_until_stop_in_chromium_and_requests_nothing_outside_the_machine(unbounded):
+def test_the_page_streams_frames_until_stop_in_chromium_and_requests_nothing_outside_the_machine(stream_app,
+                                                                                                 unbounded):
     from selenium.webdriver.common.by import By
 
     browser = _browser_or_skip()
@@ -263,11 +264,12 @@ def test_the_page_streams_frames_until_stop_in_chromium_and_requests_nothing_out
         status = lambda: browser.find_element(By.CSS_SELECTOR, "#status textarea").get_attribute("value")  # noqa: E731
         _wait(frame_shown, what="a frame on the page")
         _wait(lambda: "chunk 2 · " in status(), what="three chunks on the page")
-        # Stop closes the stream and cancels the event (the cancel may find the stream already ended)
+        # Stop closes the stream; Start's loop then ends with the status's last line, and Stop's answer is a note
         button("Stop").click()
         _wait(lambda: status().startswith("stopped after "), seconds=30, what="the page to show the stream stopped")
         time.sleep(1)
         assert status().startswith("stopped after ")  # nothing from the stream came after
+        assert browser.find_element(By.ID, "note").text == stream_app.STOPPING
         urls = [event["params"]["request"]["url"] for event in
                 (json.loads(entry["message"])["message"] for entry in browser.get_log("performance"))
                 if event["method"] == "Network.requestWillBeSent"]
