@@ -82,7 +82,8 @@ class Bench:
         self.transformer = self.pipe.transformer
         self.transformer.set_attn_processor(CausalWanAttnProcessor())
         self.config = self.pipe.causal_config
-        self.chunk = self.config.chunk_frames
+        sizes = self.config.chunk_frames  # chunks of one size, or a first chunk of its own, then the last size
+        self.first, self.chunk = (sizes, sizes) if isinstance(sizes, int) else (sizes[0], sizes[-1])
         self.prompts, self.seed = prompts, seed
         self.guidance = self.config.guidance_scale
         with torch.no_grad():
@@ -93,12 +94,25 @@ class Bench:
     def encode(self, prompts: list[str]) -> torch.Tensor:
         return self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False)[0]
 
+    def frames(self, chunks: int) -> int:
+        """Latent frames of a rollout of ``chunks`` chunks."""
+        return self.first + (chunks - 1) * self.chunk
+
+    def start(self, chunk: int) -> int:
+        """The first latent frame of chunk ``chunk``."""
+        return 0 if chunk == 0 else self.frames(chunk)
+
+    def plan(self, frames: int) -> int | list[int]:
+        """The model's chunk sizes for a rollout of ``frames`` latent frames (from :meth:`frames`)."""
+        return self.chunk if self.first == self.chunk else [self.first] + [self.chunk] * ((frames - self.first)
+                                                                                          // self.chunk)
+
     def noise(self, frames: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed)
         return torch.randn(len(self.prompts), self.transformer.config.in_channels, frames, 8, 8, generator=g)
 
     def sampling(self) -> dict:
-        return dict(chunk_frames=self.chunk, timesteps=self.config.timesteps, shift=self.config.shift,
+        return dict(timesteps=self.config.timesteps, shift=self.config.shift,
                     context_noise=self.config.context_noise, context_noise_mode=self.config.context_noise_mode,
                     guidance_scale=self.guidance, negative_prompt_embeds=self.negative if self.guidance > 1 else None)
 
@@ -106,7 +120,7 @@ class Bench:
         engines = {"main": engine if engine is not None else VanillaKVCacheEngine()}
         return causal_rollout(self.transformer, self.noise(frames), self.embeds, cache_engines=engines,
                               generator=torch.Generator().manual_seed(self.seed + 1), progress=False,
-                              sampler=sampler, **self.sampling()).latents
+                              sampler=sampler, chunk_frames=self.plan(frames), **self.sampling()).latents
 
     @torch.no_grad()
     def bidirectional(self, frames: int) -> torch.Tensor:
@@ -132,10 +146,10 @@ class Bench:
         new = self.encode([self.switched_prompt(p) for p in self.prompts])
         stream = StreamingRollout(self.transformer, self.embeds, cache_engines={"main": RollingKVCacheEngine(
             window, 0, positions="relative")}, generator=torch.Generator().manual_seed(self.seed + 1),
-            **self.sampling())
+            chunk_frames=self.chunk, **self.sampling())
         noise = self.noise(frames)
-        split = switch_chunk * self.chunk
-        first = stream.generate(noise[:, :, :split]).latents
+        split = self.start(switch_chunk)
+        first = stream.generate(noise[:, :, :split], chunk_frames=self.plan(split)).latents
         stream.switch_prompt(new, mode=mode)
         return torch.cat([first, stream.generate(noise[:, :, split:]).latents], dim=2)
 
@@ -154,7 +168,7 @@ class Bench:
             colours = [sprite.colour] * len(video)
             if switch_frame is not None:
                 colours[switch_frame:] = [SWITCH_TO[sprite.colour]] * (len(video) - switch_frame)
-            out.append(track.chunk_metrics(video, colours, sprite.shape, self.chunk))
+            out.append(track.chunk_metrics(video, colours, sprite.shape, self.chunk, first_chunk=self.first))
         return out
 
 
@@ -188,9 +202,9 @@ def vae_floor(bench: Bench, frames: int) -> float:
 
 
 def run_table(bench: Bench, chunks: int, windows: list[int], sink: int) -> dict:
-    frames = chunks * bench.chunk
+    frames = bench.frames(chunks)
     rope = bench.transformer.config.rope_max_seq_len
-    past = (rope // bench.chunk + 2) * bench.chunk  # a rollout that ends past the RoPE table
+    past = bench.frames(rope // bench.chunk + 2)  # a rollout that ends past the RoPE table
     rows = {}
 
     def row(name, make, switch_frame=None, first_chunk=0):
@@ -222,7 +236,7 @@ def run_table(bench: Bench, chunks: int, windows: list[int], sink: int) -> dict:
     switch_chunk = chunks // 2
     for mode, label in (("recache", "re-cache"), ("cross", "no re-cache")):
         row(f"prompt switch, {label} W={window}", lambda m=mode: bench.switched(frames, switch_chunk, m, window),
-            switch_frame=switch_chunk * bench.chunk, first_chunk=switch_chunk)
+            switch_frame=bench.start(switch_chunk), first_chunk=switch_chunk)
     return rows
 
 
@@ -231,19 +245,20 @@ def prompt_following(pipe: CausalWanPipeline, seed: int, switch_chunk: int = 3) 
     runs it) for :data:`FOLLOW_PROMPTS`, judged frame by frame (``examples/sprites/judge.py``), and a stream whose
     prompt switches from yellow to green before chunk ``switch_chunk``: how many chunks until green shows, and the
     share of green frames from the switch on."""
-    chunk, size = pipe.causal_config.chunk_frames, task.SIZE
+    size = task.SIZE
     verdicts = []
     for prompt in FOLLOW_PROMPTS:
         frames = pipe(prompt=prompt, height=size, width=size, output_type="np",
                       generator=torch.Generator().manual_seed(seed)).frames[0]
-        verdicts.append(judge.judge(frames, prompt, chunk))
+        verdicts.append(judge.judge(frames, prompt))
     result = judge.summary(verdicts)
     old, new = "yellow ball moving right", "green ball moving right"
     stream = pipe.stream(prompt=old, height=size, width=size, output_type="np", prompt_schedule={switch_chunk: new},
                          num_frames=pipe.causal_config.num_frames, generator=torch.Generator().manual_seed(seed))
-    frames = np.concatenate([made.frames[0] for made in stream])
-    split = switch_chunk * chunk
-    verdict = judge.judge(frames, [old] * split + [new] * (len(frames) - split), chunk)
+    chunks = list(stream)
+    frames = np.concatenate([made.frames[0] for made in chunks])
+    split, chunk = chunks[switch_chunk].video_frames.start, len(chunks[switch_chunk].video_frames)
+    verdict = judge.judge(frames, [old] * split + [new] * (len(frames) - split))
     result["switch_chunks"] = judge.chunks_to_new_colour(verdict, "green", split, chunk)
     result["switch_new_colour"] = float(verdict.colour_right[split:].mean())
     return result
@@ -286,7 +301,7 @@ def plot_long(bench: Bench, chunks: int, windows: list[int], sink: int, path: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frames = chunks * bench.chunk
+    frames = bench.frames(chunks)
     series = {}
     for window in windows:
         for s in (0, sink):
@@ -309,7 +324,8 @@ def plot_long(bench: Bench, chunks: int, windows: list[int], sink: int, path: st
             ax.plot(np.arange(len(smooth)) + window_chunks - 1, smooth, label=label, color=f"C{i}")
             ax.set_ylabel(name)
     axes[0].legend(ncol=3, fontsize=8)
-    axes[-1].set_xlabel(f"chunk ({bench.chunk} latent frames each; moving average over {window_chunks})")
+    axes[-1].set_xlabel(f"chunk ({bench.chunk} latent frames each after the first; moving average over "
+                        f"{window_chunks})")
     fig.suptitle(f"tiny sprite model: {chunks}-chunk rollouts, mean over {len(bench.prompts)} prompts")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -340,7 +356,7 @@ def main(argv=None) -> dict:
     began = time.perf_counter()
     bench = Bench(args.model, PROMPTS[:args.prompts], args.seed)
     rows = run_table(bench, args.chunks, args.windows, args.sink)
-    floor = vae_floor(bench, args.chunks * bench.chunk)
+    floor = vae_floor(bench, bench.frames(args.chunks))
     print(f"tiny sprite model ({args.model}), {args.chunks} chunks of {bench.chunk} frames, "
           f"{len(bench.prompts)} prompts, seed {args.seed}")
     print_table(rows, floor)

@@ -16,17 +16,22 @@ Three stages, all seeded (``--seed``):
    no context: the bidirectional baseline of ``benchmarks/quality.py``). A fraction ``--switch-fraction`` of the
    clips change colour at a chunk boundary, with the prompt naming the new colour and no loss on the chunks before
    the switch: what a prompt switch with a re-cache shows the model. A crop's prompt names the way its sprite moves
-   at the crop's start (``Clip.moving_prompt``): after a bounce the clip's own prompt names the opposite one. In a
-   ``--frame-noise-fraction`` of the crops the first chunk's frames get their own noise levels (diffusion forcing
-   inside the chunk): measured, this is what makes the first chunk one clean sprite of the prompt's colour rather
-   than two sprites or the wrong colour (colour 0.95-0.97 of the frames against 0.88-0.98 without it).
+   at the crop's start (``Clip.moving_prompt``): after a bounce the clip's own prompt names the opposite one.
+   A crop's first chunk is one frame (``--first-chunk-frames 1``, Self-Forcing's independent first frame), the rest
+   chunks of 3, and the model samples the same way (``causal_config.json`` lists the chunks): the chunk after the
+   first frame sees where the sprite is but not where it goes, so its motion can only come from the prompt's
+   direction word. Measured, with chunks of 3 from the start the model ignored that word (3 / 1 / 1 of 8 videos
+   started off the prompt's way at seeds 0 / 1 / 2); with the independent first frame, 7 / 6 / 7. Optionally
+   (``--frame-noise-fraction``, off by default) the opening frames get their own noise levels (diffusion forcing);
+   measured with the independent first frame, it made direction worse (6 / 3 / 5).
 
 The flow-matching losses weight the latent pixels the sprite covers (and their neighbours) ``1 + --sprite-weight``
-times: the sprite is ~5% of a frame, and its colour, shape and motion are what the prompt says. A crop's first chunk,
-the only one whose colour, shape and direction no context gives, weighs ``--first-chunk-weight`` times the others.
+times: the sprite is ~5% of a frame, and its colour, shape and motion are what the prompt says. A crop's opening (its
+first frame and the chunk after it), whose colour, shape and direction no context gives, weighs
+``--first-chunk-weight`` times the others.
 
-3. **Self-forcing** (``--self-forcing-steps``). The model continues a real clip's first chunk on its own with
-   ``self_forcing_rollout(context_latents=...)`` (the shipped timesteps and guidance, no gradients), then learns the
+3. **Self-forcing** (``--self-forcing-steps``). The model continues a real clip's opening on its own with
+   ``self_forcing_rollout(context_latents=...)`` (the shipped timesteps, guidance 3, no gradients), then learns the
    clip's real chunks with its own chunks as their context (the teacher-forcing loss, context swapped): the drift of
    its own rollouts (slower, fainter, off the path) is what it is corrected for. Only clips with one prompt are
    rolled out; each step adds one plain teacher-forcing loss, which keeps training the first chunk and the switches.
@@ -58,7 +63,6 @@ from diffusers_causal_kv import (
     CausalWanAttnProcessor,
     CausalWanPipeline,
     VanillaKVCacheEngine,
-    chunk_schedule,
     self_forcing_rollout,
 )
 from diffusers_causal_kv.testing import tiny_text_encoder, tiny_tokenizer
@@ -73,8 +77,11 @@ from sprites.text import sprite_text_encoder, sprite_tokenizer  # noqa: E402
 VAE_CLIP_FRAMES = 9
 # Sampling settings saved with the model: a rolling window of 9 frames with re-indexed positions, so a chunk of any
 # long rollout sees the positions of the last chunk of a 12-frame training crop (``--train-frames``).
-SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1.0, guidance_scale=3.0, num_frames=24,
+SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1.0, guidance_scale=4.0, num_frames=24,
                         window_frames=9, positions="relative")
+# Guidance of the self-forcing stage's own rollouts: the shipped weights were trained with 3.0; sampled at 4.0 they
+# start off the prompt's way more often (7 / 6 / 7 of 8 at seeds 0 / 1 / 2, against 7 / 6 / 6) and faster.
+ROLLOUT_GUIDANCE = 3.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,8 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vae-steps", type=int, default=2000, help="VAE training steps")
     parser.add_argument("--clips", type=int, default=400, help="training clips encoded for the transformer")
     parser.add_argument("--clip-frames", type=int, default=25, help="frames per encoded clip (4k+1)")
-    parser.add_argument("--train-frames", type=int, default=12, help="latent frames per training sample")
+    parser.add_argument("--train-frames", type=int, default=13, help="latent frames per training sample")
     parser.add_argument("--chunk-frames", type=int, default=3)
+    parser.add_argument("--first-chunk-frames", type=int, default=1,
+                        help="latent frames of a crop's (and a rollout's) first chunk; 1: an independent first frame, "
+                             "so the chunk after it must take its direction from the prompt")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vae-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -103,9 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--first-chunk-weight", type=float, default=3.0,
                         help="loss weight of a crop's first chunk (the only one no context tells colour, shape or "
                              "direction) relative to the others")
-    parser.add_argument("--frame-noise-fraction", type=float, default=0.5,
-                        help="fraction of crops whose first chunk's frames get independent noise levels (diffusion "
-                             "forcing): a noisier frame is placed from its neighbours and the prompt")
+    parser.add_argument("--frame-noise-fraction", type=float, default=0.0,
+                        help="fraction of crops whose opening frames (the first chunk, and the one after an "
+                             "independent first frame) get independent noise levels (diffusion forcing)")
     parser.add_argument("--start-fraction", type=float, default=0.5,
                         help="fraction of crops taken from the start of a clip, whose first latent frame the VAE "
                              "encodes (and decodes) as a video's first frame, as a rollout's first chunk is")
@@ -122,6 +132,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, help="PNG of the loss curves (needs matplotlib)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     return parser.parse_args(argv)
+
+
+def sampling_config(args) -> CausalConfig:
+    """:data:`SAMPLING` with the run's chunks: ``num_frames`` covers a first chunk and 8 more; chunk sizes are listed
+    when the first chunk has its own size (a stream repeats the last one)."""
+    first, chunk = args.first_chunk_frames, args.chunk_frames
+    num_frames = first + 8 * chunk
+    sizes = chunk if first == chunk else tuple(crop_sizes(num_frames, args))
+    return SAMPLING.replace(chunk_frames=sizes, num_frames=num_frames)
 
 
 def build_vae(seed: int) -> AutoencoderKLWan:
@@ -250,15 +269,32 @@ def make_dataset(args, rng: np.random.Generator) -> list[task.Clip]:
 def crop(clip: task.Clip, args, rng: np.random.Generator) -> tuple[int, int]:
     """``(offset, first chunk with a loss)`` of a training crop: a switch clip's crop puts the switch on a chunk
     boundary after the first chunk and skips the loss of the chunks before it."""
-    length, chunk = args.train_frames, args.chunk_frames
+    length = args.train_frames
     switch = next((i for i, p in enumerate(clip.prompts) if p != clip.prompts[0]), None)
     if switch is None:
         if args.start_fraction and rng.random() < args.start_fraction:
             return 0, 0
         return int(rng.integers(0, args.clip_frames - length + 1)), 0
-    options = [k for k in range(1, length // chunk) if 0 <= switch - k * chunk <= args.clip_frames - length]
+    starts = np.cumsum(crop_sizes(length, args))[:-1]  # of chunks 1, 2, ...
+    options = [k for k, start in enumerate(starts, 1) if 0 <= switch - start <= args.clip_frames - length]
     k = options[int(rng.integers(len(options)))]
-    return switch - k * chunk, k
+    return switch - int(starts[k - 1]), k
+
+
+def crop_sizes(frames: int, args) -> list[int]:
+    """Chunk sizes of ``frames`` latent frames: a first chunk of ``--first-chunk-frames``, then chunks of
+    ``--chunk-frames``."""
+    first, chunk = args.first_chunk_frames, args.chunk_frames
+    if frames <= first or (frames - first) % chunk:
+        raise ValueError(f"{frames} latent frames do not split into a first chunk of {first} and chunks of {chunk}: "
+                         f"pass --train-frames {first} + a multiple of {chunk}.")
+    return [first] + [chunk] * ((frames - first) // chunk)
+
+
+def opening_frames(sizes: list[int]) -> int:
+    """Latent frames at a crop's start whose motion only the prompt gives: its first chunk, and after an independent
+    first frame the chunk that follows it too."""
+    return sizes[0] if sizes[0] > 1 or len(sizes) == 1 else sizes[0] + sizes[1]
 
 
 def chunk_levels(batch: int, sizes: list[int], generator: torch.Generator) -> torch.Tensor:
@@ -267,11 +303,12 @@ def chunk_levels(batch: int, sizes: list[int], generator: torch.Generator) -> to
 
 
 def training_batch(latents, maps, clips, embeds, args, rng, generator):
-    """Normalised clean latents, noise, per-frame noise levels (one per chunk; independent per frame in the first
-    chunk of a ``--frame-noise-fraction`` of the crops), prompt embeddings and per-latent-pixel loss weights
-    ``[batch, frames, h, w]`` (zero on the chunks before a switch, ``--first-chunk-weight`` on the first chunk,
+    """Normalised clean latents, noise, per-frame noise levels (one per chunk; independent per frame in the opening
+    of a ``--frame-noise-fraction`` of the crops), prompt embeddings and per-latent-pixel loss weights
+    ``[batch, frames, h, w]`` (zero on the chunks before a switch, ``--first-chunk-weight`` on the opening,
     ``1 + --sprite-weight`` where the sprite is)."""
-    sizes = chunk_schedule(args.train_frames, args.chunk_frames)
+    sizes = crop_sizes(args.train_frames, args)
+    opening = opening_frames(sizes)
     index = rng.integers(0, len(clips), size=args.batch)
     clean, texts, weights = [], [], []
     for i in index:
@@ -281,18 +318,20 @@ def training_batch(latents, maps, clips, embeds, args, rng, generator):
         # there: the clip's own prompt names its initial direction, which is wrong after a bounce.
         prompt = clips[i].moving_prompt(offset + sum(sizes[:first]))
         texts.append(embeds["" if rng.random() < args.text_dropout else prompt])
-        per_chunk = torch.tensor([0.0 if k < first else args.first_chunk_weight if k == 0 else 1.0
-                                  for k in range(len(sizes))]).repeat_interleave(torch.tensor(sizes))
+        per_frame = torch.ones(args.train_frames)
+        per_frame[:sum(sizes[:first])] = 0.0
+        if first == 0:
+            per_frame[:opening] = args.first_chunk_weight
         sprite = maps[i, offset:offset + args.train_frames]
-        weights.append(per_chunk.view(-1, 1, 1) * (1 + args.sprite_weight * sprite))
+        weights.append(per_frame.view(-1, 1, 1) * (1 + args.sprite_weight * sprite))
     clean = torch.stack(clean)
     noise = torch.randn(clean.shape, generator=generator)
     levels = chunk_levels(args.batch, sizes, generator)
     if args.frame_noise_fraction:
-        # Diffusion forcing inside the first chunk: a frame noisier than its neighbours is placed from them and the
-        # prompt, where one level for all three lets the model read the sprite off the noisy frames alone.
+        # Diffusion forcing in the opening: a frame noisier than its neighbours is placed from them and the prompt,
+        # where one level for all of them lets the model read the sprite off the noisy frames alone.
         own = torch.rand(args.batch, generator=generator) < args.frame_noise_fraction
-        levels[own, :sizes[0]] = torch.rand(int(own.sum()), sizes[0], generator=generator)
+        levels[own, :opening] = torch.rand(int(own.sum()), opening, generator=generator)
     return clean, noise, levels, torch.cat(texts), torch.stack(weights)
 
 
@@ -302,10 +341,10 @@ def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, weights: torch.
     return (per_pixel * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
-def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk_frames, context=None):
-    """Flow matching of ``clean``'s chunks at noise ``levels`` (``[batch, frames]``), each noisy chunk attending to
-    the clean chunks before it: those of ``context`` when given (the model's own frames, the self-forcing stage), else
-    of ``clean`` itself."""
+def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, sizes, context=None):
+    """Flow matching of ``clean``'s chunks (of ``sizes`` frames) at noise ``levels`` (``[batch, frames]``), each
+    noisy chunk attending to the clean chunks before it: those of ``context`` when given (the model's own frames, the
+    self-forcing stage), else of ``clean`` itself."""
     batch, _, frames, height, width = clean.shape
     _, patch_h, patch_w = transformer.config.patch_size
     frame_tokens = (height // patch_h) * (width // patch_w)
@@ -313,7 +352,7 @@ def teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk
     noisy = (1 - sigma) * clean + sigma * noise
     per_token = torch.cat([torch.zeros(batch, frames * frame_tokens),
                            (levels * 1000).repeat_interleave(frame_tokens, dim=1)], dim=1)
-    with CausalContext(transformer, mode="teacher_forcing", chunk_frames=chunk_frames):
+    with CausalContext(transformer, mode="teacher_forcing", chunk_frames=sizes):
         flow = transformer(hidden_states=torch.cat([clean if context is None else context, noisy], dim=2),
                            timestep=per_token, encoder_hidden_states=text, return_dict=False)[0][:, :, frames:]
     return weighted_mse(flow, noise - clean, weights)
@@ -347,7 +386,7 @@ def train_transformer(transformer, latents, maps, clips, embeds, args, rng, log)
         if bidirectional:
             loss = bidirectional_loss(transformer, *batch)
         else:
-            loss = teacher_forcing_loss(transformer, *batch, args.chunk_frames)
+            loss = teacher_forcing_loss(transformer, *batch, crop_sizes(args.train_frames, args))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
@@ -364,7 +403,7 @@ def train_transformer(transformer, latents, maps, clips, embeds, args, rng, log)
 
 def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, generator) -> torch.Tensor:
     """The teacher-forcing loss of a real clip's frames, with the model's own chunks as their context: the model first
-    continues the clip's first chunk on its own (``self_forcing_rollout`` with the shipped timesteps and guidance
+    continues the clip's opening on its own (``self_forcing_rollout`` with the shipped timesteps, guidance 3.0
     against the empty prompt, without gradients; no window: a crop fits the training positions), then learns each
     real chunk from the chunks it made itself before it. Its own context drifts from the real one (slower, fainter,
     a little off), and this is what corrects that drift back onto the real path: exposure bias. A sprite's path is
@@ -374,7 +413,7 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     Why not regress the rollout's output on the clip directly (the gradient through the exit step, as Self-Forcing
     does with a distribution-matching loss): measured on this model, 600 such MSE steps faded the sprite (present in
     0.26 of the frames, from 0.89), the mean of the positions the model is unsure of."""
-    chunk, sizes = args.chunk_frames, chunk_schedule(args.train_frames, args.chunk_frames)
+    chunk, sizes = args.chunk_frames, crop_sizes(args.train_frames, args)
     steady = [i for i, clip in enumerate(clips) if len(set(clip.prompts)) == 1]  # one prompt: the rollout's own
     if not steady:
         raise ValueError("the self-forcing stage needs clips whose colour does not switch: lower --switch-fraction")
@@ -384,19 +423,20 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
                for _ in index]
     clean = torch.stack([latents[i, :, o:o + args.train_frames] for i, o in zip(index, offsets)])
     text = torch.cat([embeds[clips[i].moving_prompt(o)] for i, o in zip(index, offsets)])
-    first = clean[:, :, :sizes[0]]
+    opening = opening_frames(sizes)  # real: its direction is the prompt's, which the teacher-forcing term trains
+    first = clean[:, :, :opening]
     with torch.no_grad():
-        own = self_forcing_rollout(transformer, torch.randn(clean[:, :, sizes[0]:].shape, generator=generator), text,
+        own = self_forcing_rollout(transformer, torch.randn(clean[:, :, opening:].shape, generator=generator), text,
                                    context_latents=first, chunk_frames=chunk, timesteps=SAMPLING.timesteps,
                                    shift=SAMPLING.shift, exit_step=len(SAMPLING.timesteps) - 1,
                                    negative_prompt_embeds=embeds[""].expand_as(text),
-                                   guidance_scale=SAMPLING.guidance_scale,
+                                   guidance_scale=ROLLOUT_GUIDANCE,
                                    cache_engines={"main": VanillaKVCacheEngine()}, generator=generator).latents
     weights = torch.stack([1 + args.sprite_weight * maps[i, o:o + args.train_frames] for i, o in zip(index, offsets)])
-    weights[:, :sizes[0]] = 0  # the first chunk has no context of the model's own: the teacher-forcing term trains it
+    weights[:, :opening] = 0  # no context of the model's own before it: the teacher-forcing term trains it
     noise = torch.randn(clean.shape, generator=generator)
     levels = chunk_levels(len(index), sizes, generator)
-    return teacher_forcing_loss(transformer, clean, noise, levels, text, weights, chunk,
+    return teacher_forcing_loss(transformer, clean, noise, levels, text, weights, sizes,
                                 context=torch.cat([first, own], dim=2))
 
 
@@ -412,7 +452,7 @@ def train_self_forcing(transformer, latents, maps, clips, embeds, args, rng, log
             group["lr"] = learning_rate(args.self_forcing_lr, step, args.self_forcing_steps, 20, floor=0.1)
         own = self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, generator)
         teacher = teacher_forcing_loss(transformer, *training_batch(latents, maps, clips, embeds, args, rng,
-                                                                    generator), args.chunk_frames)
+                                                                    generator), crop_sizes(args.train_frames, args))
         optimizer.zero_grad()
         (own + teacher).backward()
         torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
@@ -481,7 +521,7 @@ def main(argv=None) -> dict:
         log(f"transformer loaded from {args.transformer_from}")
     pipe = CausalWanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                              scheduler=FlowMatchEulerDiscreteScheduler(shift=SAMPLING.shift),
-                             causal_config=SAMPLING.replace(chunk_frames=args.chunk_frames))
+                             causal_config=sampling_config(args))
     with torch.no_grad():
         embeds = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0] for p in task.PROMPTS + [""]}
     log(f"transformer: {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M parameters")

@@ -5,9 +5,10 @@ per video: which way it starts off and how fast it moves; for a prompt switch: w
   a rendered sprite's; the frame's colour is the task colour with the largest mass.
 * **shape**: the frame's coverage of its colour against a rendered ball and a rendered square centred on the same
   centroid: the closer one (L1) is the frame's shape.
-* **direction**: over the first chunk's frame-to-frame steps, a step goes the prompt's way when it moves mostly along
-  the prompt's axis, with the prompt's sign, or against it within :data:`BOUNCE_ROOM` px of the wall the prompt
-  heads to (it bounced there); the video starts off the prompt's way when at least half of its steps do.
+* **direction**: over the steps between the first :data:`START_FRAMES` frames, a step goes the prompt's way when it
+  moves mostly along the prompt's axis, with the prompt's sign, or against it within :data:`BOUNCE_ROOM` px of the
+  wall the prompt heads to (it bounced there); the video starts off the prompt's way when at least half of its
+  steps do.
 * **speed**: the distance moved between consecutive frames that both show a sprite; the task's own sprites move
   :data:`TASK_SPEED` px/frame (median of the rendered clips).
 
@@ -31,6 +32,7 @@ def _task_speed(num_clips: int = 256, seed: int = 7) -> float:
 
 
 TASK_SPEED = _task_speed()  # px/frame: 1.5 along the prompt's direction, a random drift across it
+START_FRAMES = 3  # "starts off": the first three frames, whatever the model's chunks (a chunk of 3 latent frames)
 BOUNCE_ROOM = 3.4  # px: a step back from a wall this close to it follows a bounce (two steps at the task's speeds)
 
 
@@ -70,8 +72,9 @@ class Verdict:
     colours: list  # per frame, the colour found or None
 
 
-def judge(frames: np.ndarray, prompt: str | list[str], chunk_frames: int) -> Verdict:
-    """Score ``frames`` (``[F, H, W, 3]`` in 0..1) against ``prompt`` (one, or one per frame for a switch)."""
+def judge(frames: np.ndarray, prompt: str | list[str], start_frames: int = START_FRAMES) -> Verdict:
+    """Score ``frames`` (``[F, H, W, 3]`` in 0..1) against ``prompt`` (one, or one per frame for a switch); the
+    direction over the first ``start_frames`` frames."""
     prompts = [prompt] * len(frames) if isinstance(prompt, str) else list(prompt)
     sprites = [task.Sprite.parse(p) for p in prompts]
     colours, cover = frame_colours(frames)
@@ -92,8 +95,8 @@ def judge(frames: np.ndarray, prompt: str | list[str], chunk_frames: int) -> Ver
     near_wall = np.abs(centres @ np.abs(axis) - wall) < BOUNCE_ROOM
     along, across = steps @ axis, np.abs(steps @ axis[::-1])
     right_way = (np.abs(along) > across) & ((along > 0) | near_wall[:-1] | near_wall[1:])
-    first = np.isfinite(steps).all(axis=1)[:chunk_frames - 1]
-    direction_right = bool(first.any() and right_way[:chunk_frames - 1][first].mean() >= 0.5)
+    first = np.isfinite(steps).all(axis=1)[:start_frames - 1]
+    direction_right = bool(first.any() and right_way[:start_frames - 1][first].mean() >= 0.5)
     return Verdict(present, colour_right, shape_right, direction_right, speeds[np.isfinite(speeds)], colours)
 
 
