@@ -75,8 +75,9 @@ from sprites.text import sprite_text_encoder, sprite_tokenizer  # noqa: E402
 # frames before it: 9 frames train a group that follows a group, as every later group of a long video does (with 5,
 # frames 5 and later were out of distribution: red sprites decoded blue there).
 VAE_CLIP_FRAMES = 9
-# Sampling settings saved with the model: a rolling window of 9 frames with re-indexed positions, so a chunk of any
-# long rollout sees the positions of the last chunk of a 12-frame training crop (``--train-frames``).
+# Sampling settings saved with the model (its chunks and num_frames from the run's, :func:`sampling_config`): a
+# rolling window of 9 frames with re-indexed positions, so a chunk of any long rollout sees at most the positions of
+# the last chunk of a 13-frame training crop (``--train-frames``).
 SAMPLING = CausalConfig(chunk_frames=3, timesteps=(1000, 750, 500, 250), shift=1.0, guidance_scale=4.0, num_frames=24,
                         window_frames=9, positions="relative")
 # Guidance of the self-forcing stage's own rollouts: the shipped weights were trained with 3.0; sampled at 4.0 they
@@ -111,8 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sprite-weight", type=float, default=10.0,
                         help="extra loss weight of the latent pixels the sprite covers (and their neighbours)")
     parser.add_argument("--first-chunk-weight", type=float, default=3.0,
-                        help="loss weight of a crop's first chunk (the only one no context tells colour, shape or "
-                             "direction) relative to the others")
+                        help="loss weight of a crop's opening (its first chunk, and the one after an independent "
+                             "first frame: no context tells their colour, shape or direction) relative to the others")
     parser.add_argument("--frame-noise-fraction", type=float, default=0.0,
                         help="fraction of crops whose opening frames (the first chunk, and the one after an "
                              "independent first frame) get independent noise levels (diffusion forcing)")
