@@ -102,10 +102,9 @@ class Bench:
         """The first latent frame of chunk ``chunk``."""
         return 0 if chunk == 0 else self.frames(chunk)
 
-    def plan(self, frames: int) -> int | list[int]:
+    def plan(self, frames: int) -> list[int]:
         """The model's chunk sizes for a rollout of ``frames`` latent frames (from :meth:`frames`)."""
-        return self.chunk if self.first == self.chunk else [self.first] + [self.chunk] * ((frames - self.first)
-                                                                                          // self.chunk)
+        return [self.first] + [self.chunk] * ((frames - self.first) // self.chunk)
 
     def noise(self, frames: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed)
@@ -357,7 +356,8 @@ def main(argv=None) -> dict:
     bench = Bench(args.model, PROMPTS[:args.prompts], args.seed)
     rows = run_table(bench, args.chunks, args.windows, args.sink)
     floor = vae_floor(bench, bench.frames(args.chunks))
-    print(f"tiny sprite model ({args.model}), {args.chunks} chunks of {bench.chunk} frames, "
+    print(f"tiny sprite model ({args.model}), {args.chunks} chunks of {bench.chunk} frames (the first "
+          f"{bench.first}), "
           f"{len(bench.prompts)} prompts, seed {args.seed}")
     print_table(rows, floor)
     result = {"chunks": args.chunks, "prompts": len(bench.prompts), "seed": args.seed, "vae_floor_physics_px": floor,
