@@ -13,7 +13,9 @@ package itself does not patch anything.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -45,19 +47,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, checks) -> None:
+def _worker(rank: int, world: int, store: str, checks) -> None:
     torch.accelerator.device_count = lambda: 1  # the test-only shim of the module docstring
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file store rather than tcp://: with tcp, rank 0 hosts the store and may exit while a peer still tears down.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for check in checks:
             check(rank)
+        dist.barrier()  # no rank closes its connections while a peer may still be using them
     finally:
         dist.destroy_process_group()
 
 
 def _spawn(*checks, world: int = 2) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), checks), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(world, os.path.join(folder, "store"), checks), nprocs=world, join=True)
 
 
 # ---------------------------------------------------------------------------------------------- builders
@@ -266,7 +271,6 @@ def test_ranks_holding_other_inputs_are_refused():
 # ---------------------------------------------------------------------------------------------- the torchrun example
 def _example_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     import importlib.util
-    import os
     import pathlib
 
     torch.accelerator.device_count = lambda: 1  # the test-only shim of the module docstring
