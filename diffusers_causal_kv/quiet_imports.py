@@ -1,13 +1,15 @@
 """diffusers imports its optional quantization backends on import; on a machine without their kernels (a CPU,
 another CUDA), torchao and torch log warnings that say nothing about this package ("Failed to load ... .so", an Enum
-deprecation, diffusers' "Unable to import `torchao` Tensor objects"). Import them once here with those loggers
-raised to ERROR, so that ``import diffusers_causal_kv`` prints nothing; they log as usual afterwards."""
+deprecation, diffusers' "Unable to import `torchao` Tensor objects"), and transformers warns once that its
+``CLIPImageProcessor`` (which diffusers' Wan encoder blocks import) falls back to PIL without torchvision. Import them
+once here with those loggers raised to ERROR, so that ``import diffusers_causal_kv`` prints nothing; they log as
+usual afterwards (transformers' warning is once per process, so it stays quiet)."""
 
 import logging
 from contextlib import contextmanager
 
 _NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer",
-                  "bitsandbytes")
+                  "bitsandbytes", "transformers.utils.import_utils")
 
 
 @contextmanager
@@ -25,3 +27,4 @@ def _quiet(names=_NOISY_LOGGERS):
 
 with _quiet():
     import diffusers.quantizers  # noqa: E402,F401  (imports torchao when it is installed)
+    from transformers import CLIPImageProcessor  # noqa: E402,F401  (its torchvision warning, once)

@@ -1,6 +1,9 @@
 """Drop-in compatibility with the diffusers ecosystem: save/load, fused projections, uninstall, diffusers' own
 hooks (enable_cache, group offloading) and attention backends, each against a run without them."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
@@ -257,3 +260,11 @@ def test_attention_backends_give_native_cached_results(backend, restore_active_b
     native = _rollout(model, text, chunks)
     model.set_attention_backend(backend)
     _assert_close(_rollout(model, text, chunks), native)
+
+
+def test_import_prints_nothing():
+    """``import diffusers_causal_kv`` in a fresh interpreter writes nothing: the optional backends' import noise
+    (torchao, bitsandbytes, transformers' torchvision fallback for the CLIP processor) stays out of users' output."""
+    run = subprocess.run([sys.executable, "-c", "import diffusers_causal_kv"], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert (run.stdout, run.stderr) == ("", ""), run.stderr
