@@ -414,7 +414,7 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     Why not regress the rollout's output on the clip directly (the gradient through the exit step, as Self-Forcing
     does with a distribution-matching loss): measured on this model, 600 such MSE steps faded the sprite (present in
     0.26 of the frames, from 0.89), the mean of the positions the model is unsure of."""
-    chunk, sizes = args.chunk_frames, crop_sizes(args.train_frames, args)
+    sizes = crop_sizes(args.train_frames, args)
     steady = [i for i, clip in enumerate(clips) if len(set(clip.prompts)) == 1]  # one prompt: the rollout's own
     if not steady:
         raise ValueError("the self-forcing stage needs clips whose colour does not switch: lower --switch-fraction")
@@ -428,7 +428,7 @@ def self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, gene
     first = clean[:, :, :opening]
     with torch.no_grad():
         own = self_forcing_rollout(transformer, torch.randn(clean[:, :, opening:].shape, generator=generator), text,
-                                   context_latents=first, chunk_frames=chunk, timesteps=SAMPLING.timesteps,
+                                   context_latents=first, chunk_frames=sizes, timesteps=SAMPLING.timesteps,
                                    shift=SAMPLING.shift, exit_step=len(SAMPLING.timesteps) - 1,
                                    negative_prompt_embeds=embeds[""].expand_as(text),
                                    guidance_scale=ROLLOUT_GUIDANCE,
