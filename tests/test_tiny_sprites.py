@@ -26,6 +26,7 @@ from diffusers_causal_kv import (
     VanillaKVCacheEngine,
     causal_rollout,
     chunk_schedule,
+    self_forcing_rollout,
 )
 from diffusers_causal_kv.positions import ROPE_HOOK_NAME
 from diffusers_causal_kv.testing import decode_latents
@@ -242,3 +243,25 @@ def test_a_switch_crop_puts_the_switch_on_a_chunk_boundary_after_the_opening_fra
         assert 0 <= offset <= args.clip_frames - args.train_frames
     with pytest.raises(ValueError, match="--train-frames 1 \\+ a multiple of 3"):
         module.crop_sizes(12, args)
+
+
+def test_the_self_forcing_rollout_commits_the_opening_in_the_crops_chunks(monkeypatch):
+    """The model's own context is built as sampling builds it: the real opening committed as an independent first
+    frame and the chunk after it (a plan of 3s from frame 0 committed the 4 opening frames as one chunk)."""
+    module = _training_script()
+    plans = []
+
+    def recording(*args, **kwargs):
+        plans.append(chunk_schedule(kwargs["context_latents"].shape[2] + args[1].shape[2], kwargs["chunk_frames"]))
+        return self_forcing_rollout(*args, **kwargs)
+
+    monkeypatch.setattr(module, "self_forcing_rollout", recording)
+    args = module.parse_args(["--self-forcing-batch", "1"])
+    rng = np.random.default_rng(0)
+    clips = [task.sample_clip(args.clip_frames, rng) for _ in range(2)]
+    latents, maps = torch.randn(2, 16, args.clip_frames, 8, 8), torch.zeros(2, args.clip_frames, 8, 8)
+    embeds = {p: torch.randn(1, 6, 32) for p in [*task.PROMPTS, ""]}
+    transformer = module.build_transformer(0)
+    transformer.set_attn_processor(CausalWanAttnProcessor())
+    loss = module.self_forcing_loss(transformer, latents, maps, clips, embeds, args, rng, torch.Generator())
+    assert torch.isfinite(loss) and plans == [module.crop_sizes(args.train_frames, args)] == [[1, 3, 3, 3, 3]]
