@@ -39,7 +39,8 @@ import torch  # noqa: E402
 
 HOST = "127.0.0.1"
 SHOWN_CHUNKS = 10  # chunk lines kept in the status box
-STOPPING = "stopping: the stream ends after the chunk in progress"
+STOPPING = "stopping: the stream ends at its next frame"
+WAITING_STOPPED = "stopped: the Start waiting for its turn will not stream"
 CSS = "#frame img { width: 100%; height: 100%; object-fit: contain; image-rendering: pixelated; }"  # scale frames up
 
 
@@ -137,19 +138,28 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
     One stream runs at a time (a second Start waits in Gradio's queue); each browser session has its own."""
     pipe.set_progress_bar_config(disable=True)
     sessions: dict[str, Session] = {}
+    # Starts pressed but not yet streaming (waiting in the queue behind another session's stream, or opening their
+    # own): "waiting", or "stopped" once Stop is pressed, so that a Start does not stream after its Stop.
+    waiting: dict[str, str] = {}
+    registry = threading.Lock()  # Stop and a Start's registration see each other whole
+
+    def press_start(request: gr.Request) -> None:
+        with registry:
+            waiting[request.session_hash] = "waiting"
 
     def start(text: str, request: gr.Request):
         if not text.strip():
+            waiting.pop(request.session_hash, None)
             yield gr.skip(), "a prompt is needed: type one, then press Start"
             return
         generator = torch.Generator(pipe.device).manual_seed(seed)
         stream = pipe.stream(prompt=text, height=height, width=width, num_frames=None, chunk_frames=chunk_frames,
                              generator=generator)
         session = Session(stream, text)
-        previous = sessions.get(request.session_hash)
-        if previous is not None:
-            previous.stream.close()
-        sessions[request.session_hash] = session
+        with registry:
+            sessions[request.session_hash] = session
+            if waiting.pop(request.session_hash, None) == "stopped":
+                stream.close()  # the loop below ends at once: "stopped after 0 chunks"
         try:
             while max_chunks is None or session.chunks < max_chunks:
                 chunk = session.next_chunk()
@@ -180,9 +190,13 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
         return f"the next chunk is made with: {text}"
 
     def stop(request: gr.Request) -> str:
-        session = sessions.get(request.session_hash)
+        with registry:
+            session = sessions.get(request.session_hash)
+            pressed = request.session_hash in waiting  # a Start pressed again, waiting behind this session's stream
+            if pressed:
+                waiting[request.session_hash] = "stopped"
         if session is None:
-            return "nothing is streaming"
+            return WAITING_STOPPED if pressed else "nothing is streaming"
         session.stream.close()  # Start's loop sees it at its next frame and writes the status's last line
         return STOPPING
 
@@ -202,7 +216,10 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
                 frame = gr.Image(label="latest frame", type="numpy", format="png", interactive=False, height=360,
                                  buttons=["download", "fullscreen"], elem_id="frame")  # no share (upload) button
                 status = gr.Textbox(label="status", lines=SHOWN_CHUNKS + 1, interactive=False, elem_id="status")
-        start_button.click(start, prompt_box, [frame, status], api_name="start", concurrency_limit=1)
+        # Pressing Start first marks the session as waiting (outside the queue, at once), so a Stop pressed while the
+        # Start waits for its turn ends it; an API client calling /start directly skips that mark.
+        start_button.click(press_start, None, None, queue=False, api_name="press_start").then(
+            start, prompt_box, [frame, status], api_name="start", concurrency_limit=1)
         switch_button.click(switch, switch_box, note, api_name="switch")
         # Stop answers in the note, not the status: the status has one writer (Start's loop), so no update of the
         # stream can land after its "stopped after" line. No cancel either: the loop ends at its next frame.

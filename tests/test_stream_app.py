@@ -221,6 +221,22 @@ def test_an_empty_prompt_is_refused_on_the_page_and_changes_nothing(stream_app, 
     _wait(job.done, seconds=30, what="the stream to end after Stop")
 
 
+def test_a_stop_while_the_start_waits_for_its_turn_ends_that_start(stream_app, unbounded, tmp_path):
+    """One stream runs at a time: B's Start waits in the queue behind A's stream. B's Stop then ends B's Start: once
+    A stops, B's Start shows no frame and ends at once (it used to stream, with no end, after its Stop)."""
+    url, _ = unbounded
+    a, b = _client(url, tmp_path), _client(url, tmp_path)
+    streaming = a.submit(OLD, api_name="/start")
+    _wait(lambda: len(streaming.outputs()) >= 1, what="A's first frame")
+    b.predict(api_name="/press_start")  # what the page's Start button does before its queued /start
+    waiting = b.submit(NEW, api_name="/start")
+    assert b.predict(api_name="/stop") == stream_app.WAITING_STOPPED
+    assert a.predict(api_name="/stop") == stream_app.STOPPING
+    _wait(waiting.done, seconds=30, what="B's Start to end")
+    outputs = waiting.outputs()
+    assert not _shown_frames(outputs) and outputs[-1][1].startswith("stopped after 0 chunks"), outputs
+
+
 def test_stop_without_a_stream_says_so(unbounded, tmp_path):
     assert _client(unbounded[0], tmp_path).predict(api_name="/stop") == "nothing is streaming"
 
