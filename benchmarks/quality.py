@@ -82,8 +82,11 @@ class Bench:
         self.transformer = self.pipe.transformer
         self.transformer.set_attn_processor(CausalWanAttnProcessor())
         self.config = self.pipe.causal_config
-        sizes = self.config.chunk_frames  # chunks of one size, or a first chunk of its own, then the last size
-        self.first, self.chunk = (sizes, sizes) if isinstance(sizes, int) else (sizes[0], sizes[-1])
+        sizes = self.config.chunk_frames
+        sizes = [sizes] if isinstance(sizes, int) else list(sizes)
+        if len(set(sizes[1:])) > 1:  # the metrics below read a first chunk and one size after it
+            raise ValueError(f"{model}: this benchmark scores chunks of one size after the first, not {sizes}")
+        self.first, self.chunk = sizes[0], sizes[-1]
         self.prompts, self.seed = prompts, seed
         self.guidance = self.config.guidance_scale
         with torch.no_grad():

@@ -125,7 +125,8 @@ def physics(pipe, latents: torch.Tensor) -> dict:
         sprite = task.Sprite.parse(prompt)
         video = decode_latents(pipe.vae, latents[i:i + 1])
         centres, present = track.track(video, sprite.colour, sprite.shape)
-        errors = track.physics_errors(centres)[OPENING + 1:]  # each from three frames of which two come after it
+        # frame t's error is its prediction from t-2 and t-1: at most one of them in the opening
+        errors = track.physics_errors(centres)[OPENING + 1:]
         speeds = np.linalg.norm(np.diff(centres, axis=0), axis=1)
         finite = errors[np.isfinite(errors)]
         out["present"] = min(out["present"], float(present.mean()))

@@ -32,7 +32,8 @@ def _task_speed(num_clips: int = 256, seed: int = 7) -> float:
 
 
 TASK_SPEED = _task_speed()  # px/frame: 1.5 along the prompt's direction, a random drift across it
-START_FRAMES = 3  # "starts off": the first three frames, whatever the model's chunks (a chunk of 3 latent frames)
+START_FRAMES = 3  # "starts off": the first three frames, whatever the model's chunks (with chunks 1, 3, ...: the
+# first frame and two frames of the chunk after it)
 BOUNCE_ROOM = 3.4  # px: a step back from a wall this close to it follows a bounce (two steps at the task's speeds)
 
 
