@@ -149,7 +149,8 @@ def build_app(pipe, *, prompt: str = "a red fox running through fresh snow, cine
 
     def start(text: str, request: gr.Request):
         if not text.strip():
-            waiting.pop(request.session_hash, None)
+            with registry:
+                waiting.pop(request.session_hash, None)
             yield gr.skip(), "a prompt is needed: type one, then press Start"
             return
         generator = torch.Generator(pipe.device).manual_seed(seed)
