@@ -13,8 +13,9 @@ weights, as in ``examples/causal_rollout.py``:
 Start streams until Stop (or ``--max-chunks``): each chunk is decoded as soon as it is committed and its frames are
 shown one by one at ``--fps``, with the chunk's latency, the time to first frame and the prompt the chunk was made
 with. "Switch prompt" hands the new prompt to the running stream (``CausalWanStream.switch_prompt``): the next chunk
-is made with it. Stop closes the stream after the chunk in progress, so the cache holds whole chunks only. An empty
-prompt (to Start or to Switch) is refused on the page and changes nothing.
+is made with it. Stop closes the stream: a chunk being made is finished (the cache holds whole chunks only), no frame
+is shown after Stop, and a Start still waiting for its turn does not stream. An empty prompt (to Start or to Switch)
+is refused on the page and changes nothing.
 
 Nothing leaves the machine: the page is served on 127.0.0.1 only, without a share link, with Gradio's analytics
 (and its version check) off and system fonts only.
