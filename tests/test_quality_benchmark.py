@@ -4,6 +4,7 @@ thresholds here: tests/test_tiny_sprites.py holds those)."""
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -103,3 +104,14 @@ def test_a_crop_s_moving_prompt_names_the_way_its_sprite_moves_after_a_bounce():
     assert moving["direction"] == len(crops)
     assert initial["direction"] < 0.8 * len(crops)
     assert all(c.moving_prompt(o).split()[:2] == c.prompts[o].split()[:2] for c, o in crops)  # colour, shape kept
+
+
+def test_a_model_whose_chunks_vary_after_the_first_is_refused(quality, tmp_path):
+    """The table's metrics read a first chunk and one size after it: a plan such as 1, 2, 3 is refused, by name."""
+    model = tmp_path / "model"
+    shutil.copytree(quality.ROOT / "models" / "tiny-sprites", model)
+    config = json.loads((model / "causal_config.json").read_text())
+    config.update(chunk_frames=[1, 2, 3] + [3] * 6, num_frames=24)
+    (model / "causal_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"one size after the first, not \[1, 2, 3, 3"):
+        quality.Bench(str(model), ["red ball moving right"], seed=0)
